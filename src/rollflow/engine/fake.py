@@ -1,0 +1,128 @@
+"""A deterministic in-process engine for unit tests of rollout and the controller.
+
+`FakeEngine` honours the `Engine` contract (streaming deltas, abort, pause, preemption, exact
+per-token versions) without a model: token t of a request is a hash of (prompt + prefix,
+version), and its log-prob is derived from the same hash, so a test can recompute exactly what
+"the weights of version v" produce from any prefix. The test controls timing through
+`token_delay` and completion lengths through `length_fn`. It is not a performance model
+(see the simulator for that) and never used outside tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator, Callable
+
+from rollflow.engine import EngineOutput, PartialMode, Weights
+from rollflow.records import SamplingSpec
+
+EOS_TOKEN = 0
+"""The fake's end-of-sequence token; `length_fn` decides when it is emitted."""
+
+
+def fake_token(context: list[int], version: int, vocab: int) -> tuple[int, float]:
+    """The token (never EOS) and log-prob that the fake model of `version` gives after `context`."""
+    digest = hashlib.blake2b(repr((context, version)).encode(), digest_size=8).digest()
+    value = int.from_bytes(digest, "little")
+    return 1 + value % (vocab - 1), -((value >> 20) % 1000) / 100.0
+
+
+class FakeEngine:
+    """A model-free `Engine` whose every output a test can predict."""
+
+    def __init__(
+        self,
+        *,
+        vocab: int = 1000,
+        token_delay: float = 0.0,
+        length_fn: Callable[[list[int]], int] | None = None,
+    ) -> None:
+        self.vocab = vocab
+        self.token_delay = token_delay
+        self.length_fn = length_fn
+        """prompt token ids -> completion length before EOS (None: run to max_tokens)."""
+        self._version = 0
+        self._running = asyncio.Event()
+        self._running.set()
+        self._aborted: set[str] = set()
+        self._preempted: set[str] = set()
+        self._live: set[str] = set()
+        self._lock = asyncio.Lock()
+        self.tokens_generated = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    async def stream(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+    ) -> AsyncIterator[EngineOutput]:
+        self._live.add(request_id)
+        context = list(prompt_token_ids)
+        versions: list[int] = []
+        stop_at = self.length_fn(prompt_token_ids) if self.length_fn else None
+        try:
+            while True:
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                else:
+                    await asyncio.sleep(0)
+                await self._running.wait()
+                reason = None
+                if request_id in self._aborted:
+                    reason = "abort"
+                elif request_id in self._preempted:
+                    reason = "preempted"
+                if reason is not None:
+                    yield EngineOutput([], [], reason, versions)  # type: ignore[arg-type]
+                    return
+                # The token is computed and labelled in one step, with no await in between, so
+                # its version is the one in force when it was computed.
+                if stop_at is not None and len(versions) >= stop_at:
+                    token, logprob = EOS_TOKEN, -0.1
+                else:
+                    token, logprob = fake_token(context, self._version, self.vocab)
+                context.append(token)
+                versions.append(self._version)
+                self.tokens_generated += 1
+                if token == EOS_TOKEN and not sampling.ignore_eos:
+                    yield EngineOutput([token], [logprob], "stop", versions)
+                    return
+                if len(versions) >= sampling.max_tokens:
+                    yield EngineOutput([token], [logprob], "length", versions)
+                    return
+                yield EngineOutput([token], [logprob])
+        finally:
+            self._live.discard(request_id)
+            self._aborted.discard(request_id)
+            self._preempted.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._live:
+            self._aborted.add(request_id)
+
+    async def pause(self, *, keep: bool = True) -> None:
+        self._running.clear()
+        if not keep:
+            self._preempted.update(self._live)
+
+    async def resume(self) -> None:
+        self._running.set()
+
+    async def update_weights(self, weights: Weights, *, partial: PartialMode = "keep") -> int:
+        async with self._lock:
+            await self.pause(keep=partial == "keep")
+            try:
+                self._version += 1
+            finally:
+                await self.resume()
+            return self._version
+
+    async def aclose(self) -> None:
+        for request_id in list(self._live):
+            await self.abort(request_id)

@@ -1,0 +1,250 @@
+"""The vLLM backend: an in-process `AsyncLLM` behind rollflow's `Engine` contract.
+
+Every vLLM call rollflow makes lives in this file, so a vLLM upgrade (CPU 0.32, GPU 0.33)
+changes one place. What it adds on top of AsyncLLM:
+
+- token-in/token-out streaming with the sampled token's log-prob per token;
+- exact per-token versions. The version label is attached by vLLM's engine core to each step's
+  outputs and only changes while generation is paused, so a token's label is the version of
+  the weights that computed it, by construction rather than by timing. The adapter turns the
+  final output's version spans into one version per token;
+- `update_weights`, the critical section: pause -> load -> set the version label -> reset the
+  prefix cache -> resume (in `finally`). In `keep` mode running requests stay in the engine;
+  unless `keep_kv_on_update`, their KV is recomputed under the new weights, so every token after
+  the update is exactly what the new weights produce from the prefix;
+- vLLM's dead-engine error becomes rollflow's `EngineDeadError`.
+
+It does not choose what to generate or when to update; rollout and the controller do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from rollflow.config import EngineConfig
+from rollflow.engine import EngineOutput, PartialMode, Weights, spans_to_versions
+from rollflow.errors import EngineDeadError, EngineError
+from rollflow.records import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "rollflow.engine.worker.WorkerExtension"
+
+
+def prepare_environment(config: EngineConfig) -> None:
+    """Environment vLLM reads at import: CPU platform, one engine process, quiet logs.
+
+    Values the user already set win. Must run before `vllm` is imported.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        # One engine process (worker inside the engine core) instead of two.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("OMP_NUM_THREADS", str(config.threads))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+
+
+def _sampling_params(sampling: SamplingSpec) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else -1,
+        max_tokens=sampling.max_tokens,
+        ignore_eos=sampling.ignore_eos,
+        seed=sampling.seed,
+        logprobs=0,  # the sampled token's log-prob only
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+    )
+
+
+class VLLMEngine:
+    """rollflow's `Engine` over vLLM's `AsyncLLM`, in this process's event loop."""
+
+    def __init__(self, model_path: str | Path, config: EngineConfig = EngineConfig(), *, dtype: str = "float32") -> None:
+        self.model_path = str(model_path)
+        self.config = config
+        self.dtype = dtype
+        self._llm: Any = None
+        self._version = 0
+        self._update_lock = asyncio.Lock()
+        self._aborted: set[str] = set()
+        self._live: set[str] = set()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_live(self) -> int:
+        """Requests currently streaming."""
+        return len(self._live)
+
+    async def start(self) -> VLLMEngine:
+        """Start the engine processes (20-40 s on CPU); raises `EngineError` on failure."""
+        prepare_environment(self.config)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            dtype=self.dtype,
+            seed=self.config.seed,
+            max_model_len=self.config.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            kv_cache_memory_bytes=self.config.kv_cache_bytes,
+            logprobs_mode=self.config.logprobs_mode,
+            worker_extension_cls=WORKER_EXTENSION,
+            enable_prefix_caching=True,
+            disable_log_stats=True,
+            enable_log_requests=False,
+        )
+        began = time.monotonic()
+        log.info("starting vLLM engine for %s", self.model_path)
+        try:
+            # Building AsyncLLM blocks while it spawns and waits for the engine core; do it off
+            # the loop. Its output handler binds to this loop at the first request.
+            self._llm = await asyncio.wait_for(
+                asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout=self.config.start_timeout_s
+            )
+        except TimeoutError:
+            raise EngineError(
+                f"vLLM engine for {self.model_path} did not start within {self.config.start_timeout_s:.0f} s "
+                "(engine.start_timeout_s)"
+            ) from None
+        except Exception as err:
+            raise EngineError(f"vLLM engine for {self.model_path} failed to start: {err}") from err
+        await self._llm.update_weight_version(str(self._version))
+        log.info("vLLM engine ready in %.1f s", time.monotonic() - began)
+        return self
+
+    async def __aenter__(self) -> VLLMEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def llm(self) -> Any:
+        """The underlying AsyncLLM (for benchmarks and tests that compare against it)."""
+        if self._llm is None:
+            raise EngineError("engine not started: call `await engine.start()` first")
+        return self._llm
+
+    def _dead(self, err: BaseException) -> EngineDeadError:
+        return EngineDeadError(f"vLLM engine core for {self.model_path} died: {err}")
+
+    async def stream(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+    ) -> AsyncIterator[EngineOutput]:
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
+
+        llm = self.llm
+        # Salt the prefix cache by version: a request never reuses KV computed under older weights.
+        prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": f"v{self._version}"}
+        self._live.add(request_id)
+        produced = 0
+        try:
+            async for out in llm.generate(prompt, _sampling_params(sampling), request_id):
+                completion = out.outputs[0]
+                tokens = list(completion.token_ids)
+                produced += len(tokens)
+                logprobs = [entry[token].logprob for token, entry in zip(tokens, completion.logprobs or [])]
+                if len(logprobs) != len(tokens):
+                    raise EngineError(f"request {request_id}: {len(tokens)} tokens but {len(logprobs)} log-probs")
+                if completion.finish_reason is None:
+                    yield EngineOutput(tokens, logprobs)
+                    continue
+                spans = completion.weight_versions or []
+                versions = spans_to_versions(((int(s.version), s.start, s.end) for s in spans), produced)
+                reason = completion.finish_reason
+                if reason == "abort" and request_id not in self._aborted:
+                    reason = "preempted"  # only a weight update aborts what the caller did not
+                yield EngineOutput(tokens, logprobs, reason, versions)
+        except VLLMDead as err:
+            raise self._dead(err) from err
+        finally:
+            self._live.discard(request_id)
+            self._aborted.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._live:
+            self._aborted.add(request_id)
+            await self.llm.abort(request_id)
+
+    async def pause(self, *, keep: bool = True) -> None:
+        """Stop scheduling. `keep`: freeze in-flight requests; otherwise abort them."""
+        await self.llm.pause_generation(mode="keep" if keep else "abort", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def load_weights(self, weights: Weights) -> None:
+        """Load named tensors into the (paused) engine. Prefer `update_weights`."""
+        from safetensors.torch import save
+
+        items = weights.items() if hasattr(weights, "items") else weights
+        tensors = {name: tensor.detach().contiguous() for name, tensor in items}  # type: ignore[union-attr]
+        await self.llm.collective_rpc("rollflow_load_safetensors", args=(save(tensors),))
+
+    async def load_weights_from_path(self, path: str | Path) -> None:
+        """Load every safetensors file of a folder into the (paused) engine."""
+        await self.llm.collective_rpc("rollflow_load_path", args=(str(path),))
+
+    async def update_weights(self, weights: Weights, *, partial: PartialMode = "keep") -> int:
+        return await self._update(lambda: self.load_weights(weights), partial)
+
+    async def update_weights_from_path(self, path: str | Path, *, partial: PartialMode = "keep") -> int:
+        return await self._update(lambda: self.load_weights_from_path(path), partial)
+
+    async def _update(self, load: Any, partial: PartialMode) -> int:
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
+
+        llm = self.llm
+        async with self._update_lock:
+            keep = partial == "keep"
+            await self.pause(keep=keep)
+            try:
+                await load()
+                new_version = self._version + 1
+                await llm.update_weight_version(str(new_version))
+                # Mandatory: otherwise prompts longer than one block reuse KV from the old weights.
+                # In keep mode, also drop running requests' KV so it is recomputed under new weights.
+                recompute = keep and not self.config.keep_kv_on_update
+                await llm.reset_prefix_cache(reset_running_requests=recompute)
+                self._version = new_version
+            except VLLMDead as err:
+                raise self._dead(err) from err
+            finally:
+                if not llm.errored:
+                    await self.resume()
+        return self._version
+
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
+        """Convenience: the whole completion as one output."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        async for out in self.stream(request_id, prompt_token_ids, sampling):
+            tokens += out.token_ids
+            logprobs += out.logprobs
+            if out.finish_reason is not None:
+                return EngineOutput(tokens, logprobs, out.finish_reason, out.versions)
+        raise EngineError(f"request {request_id}: stream ended without a finish reason")
+
+    async def aclose(self) -> None:
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        await asyncio.to_thread(llm.shutdown)

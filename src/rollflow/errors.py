@@ -1,0 +1,52 @@
+"""One exception hierarchy for rollflow.
+
+Every error rollflow raises derives from `RollflowError`. Two branches matter to callers:
+`RetryableError` (a later attempt may succeed: a timeout, a 5xx, a dropped connection) and
+everything else, which is fatal and propagates. User mistakes (`UserInputError`: config, data,
+model path, CLI) carry a message that names the file, line or field and what was expected; the
+CLI prints that message without a traceback and exits with code 2.
+
+This module holds no retry logic; see the retry helper where retries happen.
+"""
+
+from __future__ import annotations
+
+
+class RollflowError(Exception):
+    """Base of every error raised by rollflow."""
+
+
+class RetryableError(RollflowError):
+    """A failure a bounded retry may cure (timeouts, transient server errors)."""
+
+
+class UserInputError(RollflowError):
+    """Bad input from the user: the message says where and what was expected."""
+
+
+class ConfigError(UserInputError):
+    """A config file, preset or override that does not match the schema."""
+
+
+class DataError(UserInputError):
+    """A dataset file or row that cannot be read as prompts."""
+
+
+class ModelNotFoundError(UserInputError):
+    """A model reference that names no usable local model."""
+
+
+class EngineError(RollflowError):
+    """The inference engine failed a request or an operation."""
+
+
+class EngineDeadError(EngineError):
+    """The inference engine's process died; the message names what died."""
+
+
+class WeightSyncError(RollflowError):
+    """A weight update did not complete; the engine keeps its previous weights."""
+
+
+class WeightSyncTimeout(WeightSyncError, RetryableError):
+    """A weight update passed its deadline; the message names the stage that stalled."""

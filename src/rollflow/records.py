@@ -1,0 +1,113 @@
+"""The one vocabulary every stage speaks: Prompt, Sample, Group, Batch.
+
+Records are frozen msgspec Structs; a stage that changes a record makes a new one with
+`msgspec.structs.replace`. High-volume records skip the cycle collector (`gc=False`): they
+hold only scalars and lists of scalars. This module holds data definitions and small derived
+properties only, no behaviour of any stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    """One chat message."""
+
+    role: str
+    content: str
+
+
+class Prompt(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A prompt as the engine sees it (token ids) plus what scoring needs (answer, task)."""
+
+    id: str
+    """Stable across runs and resumes: the ledger's key."""
+    token_ids: list[int]
+    messages: list[Message] = []
+    answer: str | None = None
+    """Reference answer for the task's verifier, if any."""
+    task: str = ""
+    metadata: dict[str, Any] = {}
+
+
+class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine sampled with; the trainer scores tokens under the same distribution."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = no top-k truncation."""
+    max_tokens: int = 64
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+class Timing(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Wall-clock marks of one sample (seconds, `time.monotonic`)."""
+
+    submitted: float
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One completion of one prompt, with per-token provenance."""
+
+    prompt_id: str
+    group_id: str
+    index: int
+    """Position within the group, 0..G-1."""
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    """Behaviour log-prob of each completion token under the distribution it was sampled from."""
+    versions: list[int]
+    """Engine version whose weights computed each completion token's logits."""
+    loss_mask: list[int]
+    """1 for tokens the policy produced, 0 for tool/environment tokens."""
+    finish_reason: str
+    sampling: SamplingSpec
+    interruptions: int = 0
+    """Times the sample was aborted and resubmitted (`resume`/`restart` modes)."""
+    reward: float | None = None
+    """Total reward; None until scored, or when unscorable."""
+    unscorable: str | None = None
+    """Why the sample could not be scored (it is then excluded from the group baseline)."""
+    timing: Timing | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.completion_token_ids)
+
+    @property
+    def min_version(self) -> int:
+        """Version of the oldest token (its staleness decides the sample's lag)."""
+        return min(self.versions) if self.versions else -1
+
+
+class Group(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The G samples of one prompt, with their advantages once computed."""
+
+    prompt: Prompt
+    samples: list[Sample]
+    advantages: list[float] = []
+
+
+class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What one optimizer step consumes."""
+
+    step: int
+    groups: list[Group]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g.samples]
+
+    @property
+    def version_spread(self) -> tuple[int, int]:
+        """(oldest, newest) token version in the batch."""
+        versions = [v for s in self.samples for v in s.versions]
+        return (min(versions), max(versions)) if versions else (-1, -1)

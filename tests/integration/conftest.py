@@ -1,0 +1,67 @@
+"""Shared real components: one vLLM engine per session on the tiny model, and HF references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollflow.config import EngineConfig
+from rollflow.engine.vllm import VLLMEngine
+from rollflow.models import tiny_model_path
+
+
+class HFReference:
+    """Greedy decoding and log-softmax with plain transformers, float32: the ground truth."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.path = path
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        """n greedy tokens after `prompt` and each one's log-prob (EOS not special)."""
+        ids = list(prompt)
+        tokens, logprobs = [], []
+        for _ in range(n):
+            logits = self.model(torch.tensor([ids])).logits[0, -1]
+            logp = torch.log_softmax(logits.double(), dim=-1)
+            token = int(torch.argmax(logits))
+            tokens.append(token)
+            logprobs.append(float(logp[token]))
+            ids.append(token)
+        return tokens, logprobs
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+
+@pytest.fixture(scope="session")
+def model_a() -> HFReference:
+    return HFReference(tiny_model_path(0))
+
+
+@pytest.fixture(scope="session")
+def model_b() -> HFReference:
+    return HFReference(tiny_model_path(1))
+
+
+@pytest.fixture(scope="session")
+async def engine():
+    eng = VLLMEngine(
+        tiny_model_path(0),
+        EngineConfig(kv_cache_bytes=128 * 1024 * 1024, max_model_len=512, max_num_seqs=16),
+    )
+    await eng.start()
+    yield eng
+    await eng.aclose()
+
+
+@pytest.fixture
+async def engine_on_a(engine, model_a):
+    """The engine, guaranteed to hold model A's weights afterwards (tests may load others)."""
+    yield engine
+    await engine.update_weights(model_a.state_dict())

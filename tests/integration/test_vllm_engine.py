@@ -1,0 +1,119 @@
+"""The vLLM adapter against plain transformers: tokens, log-probs, abort, weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollflow.records import Prompt, SamplingSpec
+from rollflow.rollout import rollout
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [1, 735, 202, 276, 261, 264, 277, 281, 34, 2, 202, 1, 871, 202]
+GREEDY = SamplingSpec(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _prompt(token_ids: list[int] = PROMPT, pid: str = "p") -> Prompt:
+    return Prompt(id=pid, token_ids=token_ids)
+
+
+async def test_greedy_tokens_and_logprobs_match_transformers(engine, model_a):
+    out = await engine.generate(PROMPT, GREEDY, "greedy-1")
+    tokens, logprobs = model_a.greedy(PROMPT, GREEDY.max_tokens)
+    assert out.token_ids == tokens
+    assert out.finish_reason == "length"
+    assert out.versions == [engine.version] * len(tokens)
+    for got, want in zip(out.logprobs, logprobs, strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+async def test_abort_ends_one_stream_and_engine_keeps_serving(engine, model_a):
+    long = SamplingSpec(temperature=0.0, max_tokens=200, ignore_eos=True)
+    first_tokens = asyncio.Event()
+
+    async def consume(request_id: str):
+        tokens, reason = [], None
+        async for out in engine.stream(request_id, PROMPT, long):
+            tokens += out.token_ids
+            if request_id == "abort-b" and len(tokens) >= 2:
+                first_tokens.set()
+            reason = out.finish_reason or reason
+        return tokens, reason
+
+    tasks = [asyncio.create_task(consume(f"abort-{name}")) for name in "abc"]
+    await first_tokens.wait()
+    await engine.abort("abort-b")
+    (a_tokens, a_reason), (b_tokens, b_reason), (c_tokens, c_reason) = await asyncio.gather(*tasks)
+    assert b_reason == "abort" and len(b_tokens) < long.max_tokens
+    assert a_reason == c_reason == "length"
+    assert len(a_tokens) == len(c_tokens) == long.max_tokens
+    # Still serving, and still correct.
+    again = await engine.generate(PROMPT, GREEDY, "after-abort")
+    assert again.token_ids == model_a.greedy(PROMPT, GREEDY.max_tokens)[0]
+
+
+async def test_loading_weights_switches_greedy_output_and_back(engine_on_a, model_a, model_b):
+    engine = engine_on_a
+    want_a = model_a.greedy(PROMPT, GREEDY.max_tokens)[0]
+    want_b = model_b.greedy(PROMPT, GREEDY.max_tokens)[0]
+    assert want_a != want_b, "the two tiny models must disagree for this test to mean anything"
+    before = engine.version
+    assert await engine.update_weights(model_b.state_dict()) == before + 1
+    out = await engine.generate(PROMPT, GREEDY, "switch-b")
+    assert out.token_ids == want_b
+    assert out.versions == [before + 1] * len(want_b)
+    await engine.update_weights(model_a.state_dict())
+    assert (await engine.generate(PROMPT, GREEDY, "switch-a")).token_ids == want_a
+    assert engine.version == before + 2
+
+
+async def _update_mid_stream(engine, model_b, partial: str, after_tokens: int = 4):
+    """Start a long greedy rollout, load model B once it has produced some tokens."""
+    spec = SamplingSpec(temperature=0.0, max_tokens=64, ignore_eos=True)
+    version = engine.version
+    task = asyncio.create_task(rollout(engine, _prompt(), spec, group_id=f"mid-{partial}", index=0, partial=partial))
+    # Wait until the request is streaming, then update while it is in flight.
+    while engine.num_live == 0:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.02 * after_tokens)
+    assert not task.done(), "the stream finished before the update; make it longer"
+    await engine.update_weights(model_b.state_dict(), partial=partial)
+    sample = await task
+    return sample, version
+
+
+async def test_keep_mode_versions_switch_at_the_exact_boundary(engine_on_a, model_a, model_b):
+    sample, v = await _update_mid_stream(engine_on_a, model_b, "keep")
+    tokens, versions = sample.completion_token_ids, sample.versions
+    assert len(tokens) == 64 and sample.interruptions == 0
+    k = versions.index(v + 1)
+    assert 0 < k < 64, f"update must land mid-stream, landed at {k}"
+    assert versions == [v] * k + [v + 1] * (64 - k)
+    # Before the boundary: model A from the prompt. After it: model B from prompt + prefix.
+    want_a, lp_a = model_a.greedy(PROMPT, k)
+    want_b, lp_b = model_b.greedy(PROMPT + tokens[:k], 64 - k)
+    assert tokens[:k] == want_a
+    assert tokens[k:] == want_b
+    assert sample.logprobs == pytest.approx(lp_a + lp_b, abs=1e-4)
+
+
+async def test_resume_mode_continues_from_the_prefix(engine_on_a, model_a, model_b):
+    sample, v = await _update_mid_stream(engine_on_a, model_b, "resume")
+    tokens, versions = sample.completion_token_ids, sample.versions
+    assert len(tokens) == 64 and sample.interruptions == 1
+    k = versions.index(v + 1)
+    assert 0 < k < 64
+    assert versions == [v] * k + [v + 1] * (64 - k)
+    assert tokens[:k] == model_a.greedy(PROMPT, k)[0]
+    want_b, lp_b = model_b.greedy(PROMPT + tokens[:k], 64 - k)
+    assert tokens[k:] == want_b
+    assert sample.logprobs[k:] == pytest.approx(lp_b, abs=1e-4)
+
+
+async def test_restart_mode_starts_over_under_new_weights(engine_on_a, model_b):
+    sample, v = await _update_mid_stream(engine_on_a, model_b, "restart")
+    assert sample.interruptions == 1
+    assert sample.versions == [v + 1] * 64
+    assert sample.completion_token_ids == model_b.greedy(PROMPT, 64)[0]

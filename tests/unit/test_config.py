@@ -1,0 +1,63 @@
+"""Config loading: presets, files, overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from rollflow.config import Config, config_from_dict, dump_config, load_config
+from rollflow.errors import ConfigError
+
+
+def test_defaults_and_presets_load():
+    assert load_config() == Config()
+    tiny = load_config(preset="tiny")
+    assert tiny.model.path == "tiny"
+    assert load_config(preset="default").model.path == "smollm2-135m-instruct"
+
+
+def test_file_then_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[sampling]\nmax_tokens = 12\ntemperature = 0.7\n[data]\ntask = "countdown"\n')
+    cfg = load_config(path, preset="tiny", overrides=["sampling.max_tokens=40", "rollout.partial=resume"])
+    assert cfg.sampling.max_tokens == 40
+    assert cfg.sampling.temperature == 0.7
+    assert cfg.data.task == "countdown"
+    assert cfg.rollout.partial == "resume"
+
+
+def test_resolved_config_round_trips_through_toml():
+    cfg = load_config(preset="default", overrides=["data.paths=['a.jsonl', 'b.jsonl']"])
+    assert config_from_dict(tomllib.loads(dump_config(cfg))) == cfg
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[engine]\nmax_num_seq = 3\n", "unknown key `engine.max_num_seq`"),
+        ("[sampling]\nmax_tokens = 'many'\n", "`sampling.max_tokens`: Expected `int`, got `str`"),
+        ("[sampling]\ntop_p = 1.5\n", "`sampling.top_p`: Expected `float` <= 1.0"),
+        ("[rollout]\npartial = 'sometimes'\n", "`rollout.partial`: Invalid enum value 'sometimes'"),
+        ("colour = 'blue'\n", "unknown key `colour`"),
+        ("[sampling\n", "invalid TOML"),
+    ],
+)
+def test_bad_config_names_file_and_key(tmp_path, text, expected):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+    assert expected in str(info.value)
+
+
+def test_bad_override_and_preset_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="expected KEY.PATH=VALUE"):
+        load_config(overrides=["sampling.max_tokens"])
+    with pytest.raises(ConfigError, match="unknown key `engine.nope`"):
+        load_config(overrides=["engine.nope=1"])
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        load_config(preset="huge")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.toml")
