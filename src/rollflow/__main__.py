@@ -1,0 +1,128 @@
+"""`python -m rollflow <command>`: the command line.
+
+Commands: `generate` (sample and score completions from the configured model and task).
+User errors (config, data, model path, arguments) print one line naming what is wrong and
+exit with code 2, without a traceback. This module parses arguments and prints; the work
+happens in the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from rollflow.errors import UserInputError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", type=Path, help="TOML config file (optional)")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level (vLLM too)"
+    )
+    parser.add_argument("--preset", help="start from a built-in preset: tiny, default")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override one config field, e.g. --set sampling.max_tokens=32 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m rollflow", description="Asynchronous RL post-training for language models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (vLLM too)")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = commands.add_parser("generate", help="sample completions for task prompts and score them")
+    _add_config_args(gen)
+    gen.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
+    gen.add_argument("--greedy", action="store_true", help="greedy decoding, one sample per prompt")
+    return parser
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from rollflow.config import load_config
+    from rollflow.engine.vllm import VLLMEngine
+    from rollflow.evaluate import evaluate, sampling_spec
+    from rollflow.models import chat_encoder, load_tokenizer, resolve_model
+    from rollflow.sampler import Sampler
+
+    if args.prompts <= 0:
+        raise UserInputError(f"--prompts: expected a positive number, got {args.prompts}")
+    console = Console(stderr=True)
+    config = load_config(args.config, preset=args.preset, overrides=args.overrides)
+    with console.status(f"preparing model {config.model.path}"):
+        model_path = resolve_model(config.model.path)
+        tokenizer = load_tokenizer(model_path)
+        sampler = Sampler(config.data, chat_encoder(tokenizer))
+        prompts = [sampler.next() for _ in range(args.prompts)]
+    group = 1 if args.greedy else config.rollout.group_size
+    engine = VLLMEngine(model_path, config.engine, dtype=config.model.dtype)
+    with console.status("starting vLLM engine (20-40 s on CPU)"):
+        await engine.start()
+    try:
+        done = 0
+        total = len(prompts) * group
+        with console.status(f"generating 0/{total} samples") as status:
+
+            def progress(_sample: object) -> None:
+                nonlocal done
+                done += 1
+                status.update(f"generating {done}/{total} samples")
+
+            report = await evaluate(
+                engine,
+                prompts,
+                sampling_spec(config, greedy=args.greedy),
+                samples_per_prompt=group,
+                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                on_sample=progress,
+            )
+    finally:
+        await engine.aclose()
+    for question, text, reward in report.examples:
+        console.print(f"[bold]{question}[/bold] -> {text.strip()!r} reward={reward:g}", highlight=False)
+    print(
+        f"model={config.model.path} task={config.data.task} prompts={report.prompts} samples={report.samples} "
+        f"accuracy={report.accuracy:.3f} pass@{group}={report.pass_at_group:.3f} "
+        f"tokens={report.tokens} wall_s={report.wall_s:.1f} tokens_per_s={report.tokens_per_s:.0f}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    if args.verbose:
+        import os
+
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    try:
+        if args.command == "generate":
+            return asyncio.run(_generate(args))
+    except UserInputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

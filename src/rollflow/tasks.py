@@ -105,8 +105,10 @@ def verify(task: str, completion: str, answer: str | None, metadata: dict[str, A
     if task == "countdown":
         return countdown_reward(completion, metadata["numbers"], metadata["target"])
     if answer is not None:
-        return arithmetic_reward(completion, answer) if answer.lstrip("-").isdigit() else float(
-            completion.strip() == answer.strip()
+        return (
+            arithmetic_reward(completion, answer)
+            if answer.lstrip("-").isdigit()
+            else float(completion.strip() == answer.strip())
         )
     raise ValueError(f"task {task!r} has no verifier and the prompt has no answer")
 

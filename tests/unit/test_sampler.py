@@ -60,8 +60,7 @@ def test_state_dict_resumes_without_repeat_or_skip(tmp_path):
 def test_jsonl_rows_with_messages_ids_and_extra_columns(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text(
-        json.dumps({"id": "x", "messages": [{"role": "user", "content": "hi"}], "answer": 4, "level": 2})
-        + "\n\n"
+        json.dumps({"id": "x", "messages": [{"role": "user", "content": "hi"}], "answer": 4, "level": 2}) + "\n\n"
     )
     prompt = Sampler(DataConfig(task="jsonl", paths=[str(path)]), encode).next()
     assert prompt.id == "x" and prompt.answer == "4" and prompt.metadata == {"level": 2}

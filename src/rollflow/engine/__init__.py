@@ -11,7 +11,7 @@ The real backend is `rollflow.engine.vllm.VLLMEngine` (vLLM's AsyncLLM); `FakeEn
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import Literal, Protocol
 
 import msgspec
@@ -49,7 +49,7 @@ class Engine(Protocol):
 
     def stream(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Generate a completion as deltas; the last one has `finish_reason` and `versions`.
 
         Cancelling the iteration aborts the request in the engine and re-raises.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from rollflow.engine import EngineOutput, PartialMode, Weights
 from rollflow.records import SamplingSpec
@@ -61,7 +61,7 @@ class FakeEngine:
 
     async def stream(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         self._live.add(request_id)
         context = list(prompt_token_ids)
         versions: list[int] = []

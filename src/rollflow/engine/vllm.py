@@ -23,7 +23,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,13 @@ def _sampling_params(sampling: SamplingSpec) -> Any:
 class VLLMEngine:
     """rollflow's `Engine` over vLLM's `AsyncLLM`, in this process's event loop."""
 
-    def __init__(self, model_path: str | Path, config: EngineConfig = EngineConfig(), *, dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: EngineConfig = EngineConfig(),  # noqa: B008 - frozen Struct
+        *,
+        dtype: str = "float32",
+    ) -> None:
         self.model_path = str(model_path)
         self.config = config
         self.dtype = dtype
@@ -100,7 +106,7 @@ class VLLMEngine:
 
         args = AsyncEngineArgs(
             model=self.model_path,
-            dtype=self.dtype,
+            dtype=self.dtype,  # type: ignore[arg-type]
             seed=self.config.seed,
             max_model_len=self.config.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
@@ -148,7 +154,7 @@ class VLLMEngine:
 
     async def stream(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
         llm = self.llm
@@ -161,7 +167,8 @@ class VLLMEngine:
                 completion = out.outputs[0]
                 tokens = list(completion.token_ids)
                 produced += len(tokens)
-                logprobs = [entry[token].logprob for token, entry in zip(tokens, completion.logprobs or [])]
+                entries = completion.logprobs or []
+                logprobs = [entry[token].logprob for token, entry in zip(tokens, entries, strict=False)]
                 if len(logprobs) != len(tokens):
                     raise EngineError(f"request {request_id}: {len(tokens)} tokens but {len(logprobs)} log-probs")
                 if completion.finish_reason is None:
@@ -247,4 +254,12 @@ class VLLMEngine:
         if self._llm is None:
             return
         llm, self._llm = self._llm, None
+        if self._live:
+            await llm.abort(list(self._live))
+        # Stop the output handler before the engine core goes away; otherwise it reports the
+        # orderly shutdown as a dead engine.
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None and not handler.done():
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
         await asyncio.to_thread(llm.shutdown)

