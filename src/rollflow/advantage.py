@@ -1,0 +1,64 @@
+"""Group-relative advantages: pure functions from a group's rewards to per-sample advantages.
+
+A reward of None means the sample is unscorable: it is excluded from the baseline, gets
+advantage 0, and is counted. A group whose scorable rewards are all equal carries no learning
+signal and gets zeros (no division by a zero std). This module knows nothing about samples,
+tokens or tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+
+Estimator = Literal["grpo", "rloo"]
+
+STD_EPS = 1e-6
+"""Added to the group std before dividing, and the threshold below which rewards count as equal."""
+
+
+class GroupAdvantages(msgspec.Struct, frozen=True):
+    """Advantages of one group and what went into them."""
+
+    advantages: list[float]
+    unscorable: int
+    """Samples excluded from the baseline (reward None or not finite)."""
+    degenerate: bool
+    """True when all scorable rewards were equal (or fewer than two were scorable)."""
+
+
+def _scorable(rewards: list[float | None]) -> list[int]:
+    return [i for i, r in enumerate(rewards) if r is not None and math.isfinite(r)]
+
+
+def group_advantages(
+    rewards: list[float | None], *, estimator: Estimator = "grpo", scale_std: bool = True
+) -> GroupAdvantages:
+    """Advantages for one GRPO group.
+
+    `grpo`: reward minus the group mean, divided by the group std when `scale_std`.
+    `rloo`: reward minus the mean of the *other* scorable samples (leave-one-out).
+    """
+    index = _scorable(rewards)
+    advantages = [0.0] * len(rewards)
+    values = [float(rewards[i]) for i in index]  # type: ignore[arg-type]
+    unscorable = len(rewards) - len(index)
+    n = len(values)
+    if n < 2 or max(values) - min(values) <= STD_EPS:
+        return GroupAdvantages(advantages, unscorable, True)
+    mean = sum(values) / n
+    if estimator == "grpo":
+        centred = [v - mean for v in values]
+        if scale_std:
+            std = math.sqrt(sum(c * c for c in centred) / (n - 1))
+            centred = [c / (std + STD_EPS) for c in centred]
+    elif estimator == "rloo":
+        total = sum(values)
+        centred = [v - (total - v) / (n - 1) for v in values]
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    for i, a in zip(index, centred, strict=True):
+        advantages[i] = a
+    return GroupAdvantages(advantages, unscorable, False)

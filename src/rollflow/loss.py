@@ -1,0 +1,274 @@
+"""Policy losses as pure tensor functions; log-probs of sampled tokens without full logits.
+
+Two parts:
+
+1. `token_logprobs`: log-prob of each target token under the distribution the engine sampled
+   from (logits / temperature, renormalised over the top-k / top-p support when those were used),
+   computed from final hidden states and the LM head in chunks of tokens. The (tokens × vocab)
+   logits tensor never exists whole: a custom autograd function keeps only the inputs and
+   recomputes one chunk's logits in backward. On CUDA with liger-kernel installed and no
+   truncation, the fused kernel is used instead (`rollflow.loss_liger`).
+
+2. `policy_loss`: the clipped policy-gradient objective of the GRPO family with an
+   importance-sampling correction against the behaviour log-probs recorded by the engine, a
+   choice of normalisation, an optional k3 KL to a reference, per-token loss masks, and metrics.
+
+No IO, no config objects, no distributed code: callers pass tensors and numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Normalization = Literal["grpo", "dr_grpo", "token_mean"]
+ISMode = Literal["none", "tis", "mis", "seq_tis", "seq_mis"]
+
+DEFAULT_CHUNK = 1024
+"""Tokens per chunk of LM-head logits: 1024 × 49,152 float32 logits are 200 MB."""
+
+
+def support_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | None:
+    """Boolean mask of the tokens that survive top-k then top-p, as vLLM's sampler applies them.
+
+    `logits` are already divided by the temperature. Returns None when nothing is truncated.
+    """
+    if top_k <= 0 and top_p >= 1.0:
+        return None
+    keep = torch.ones_like(logits, dtype=torch.bool)  # (N, V)
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (N, 1)
+        keep &= logits >= kth
+    if top_p < 1.0:
+        masked = logits.masked_fill(~keep, float("-inf"))
+        sorted_logits, order = torch.sort(masked, dim=-1, descending=False)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # ascending
+        # Drop the low tail whose mass is at most 1 - p; always keep the most likely token.
+        drop_sorted = cumulative <= (1.0 - top_p)
+        drop_sorted[:, -1] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        keep &= ~drop
+    return keep
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = hidden @ weight.t()  # (c, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.float()
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """log p(target) per token, chunk by chunk; backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk):  # type: ignore[override]
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
+        entropy = torch.empty_like(out)
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
+            logits = _chunk_logits(hidden[start:end], weight, temperature)  # (c, V)
+            keep = support_mask(logits, top_k, top_p)
+            if keep is not None:
+                logits = logits.masked_fill(~keep, float("-inf"))
+            logp = torch.log_softmax(logits, dim=-1)
+            out[start:end] = logp.gather(-1, targets[start:end, None]).squeeze(-1)
+            p = logp.exp()
+            entropy[start:end] = -(p * logp.nan_to_num(neginf=0.0)).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.settings = (temperature, top_k, top_p, chunk)
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_entropy):  # type: ignore[override]
+        hidden, weight, targets = ctx.saved_tensors
+        temperature, top_k, top_p, chunk = ctx.settings
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
+            logits = _chunk_logits(hidden[start:end], weight, temperature)  # (c, V)
+            keep = support_mask(logits, top_k, top_p)
+            if keep is not None:
+                logits = logits.masked_fill(~keep, float("-inf"))
+            # d log p(y) / d logits = onehot(y) - softmax, scaled by the upstream grad and 1/T.
+            grad_logits = -torch.softmax(logits, dim=-1)
+            grad_logits.scatter_add_(-1, targets[start:end, None], torch.ones_like(grad_logits[:, :1]))
+            grad_logits *= (grad_out[start:end] / temperature)[:, None]
+            grad_logits = grad_logits.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight += grad_logits.t().float() @ hidden[start:end].float()
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    chunk: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of `targets` and (detached) entropies, without full logits.
+
+    hidden: (N, H) final hidden states; weight: (V, H) LM head; targets: (N,) token ids.
+    Returns (logprobs (N,), entropy (N,)) in float32 under the sampling distribution:
+    softmax(logits / temperature) renormalised over the top-k / top-p support.
+    """
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 to score tokens (greedy samples have no distribution)")
+    return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), int(top_k), float(top_p), int(chunk))
+
+
+def naive_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:
+    """Reference: the same quantity through full logits (for tests and the memory benchmark)."""
+    logits = (hidden @ weight.t()).float() / temperature  # (N, V)
+    keep = support_mask(logits.detach(), top_k, top_p)
+    if keep is not None:
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def importance_weights(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: ISMode = "tis",
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights π_trainer / μ_behaviour per token, and the mask of tokens kept.
+
+    All inputs (B, T); `proximal_logprobs` is detached. Modes:
+    - `tis`: token-level, truncated at `cap`.
+    - `mis`: token-level, tokens with a ratio outside [low, high] are dropped (IcePop-style).
+    - `seq_tis` / `seq_mis`: one weight per sequence from the **mean** token log-ratio (a sum
+      would explode with length), truncated at `cap` or the sequence dropped outside [low, high].
+    - `none`: weight 1.
+    """
+    log_ratio = (proximal_logprobs - behaviour_logprobs) * mask  # (B, T)
+    kept = mask.clone()
+    if mode == "none":
+        return torch.ones_like(log_ratio), kept
+    if mode in ("tis", "mis"):
+        ratio = log_ratio.exp()
+        if mode == "tis":
+            return ratio.clamp(max=cap), kept
+        inside = (ratio >= low) & (ratio <= high)
+        return ratio, kept * inside
+    seq_log_ratio = _masked_mean(log_ratio, mask, dim=-1)  # (B,)
+    seq_ratio = seq_log_ratio.exp()[:, None].expand_as(log_ratio)  # (B, T)
+    if mode == "seq_tis":
+        return seq_ratio.clamp(max=cap), kept
+    if mode == "seq_mis":
+        inside = (seq_ratio >= low) & (seq_ratio <= high)
+        return seq_ratio, kept * inside
+    raise ValueError(f"unknown importance-sampling mode {mode!r}")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    proximal_logprobs: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    normalization: Normalization = "token_mean",
+    denominator: float | None = None,
+    is_mode: ISMode = "tis",
+    is_cap: float = 2.0,
+    is_low: float = 0.5,
+    is_high: float = 2.0,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    token_advantages: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-gradient loss with importance-sampling correction.
+
+    logprobs: (B, T) current policy, with grad. behaviour_logprobs: (B, T) from the engine.
+    advantages: (B,) per sequence (or `token_advantages` (B, T) for per-token rewards).
+    mask: (B, T) 1 for tokens in the loss (policy tokens within the staleness bound).
+    proximal_logprobs: (B, T) the policy before this step; defaults to `logprobs.detach()`
+    (one optimizer step per batch), which makes the PPO ratio 1 with the gradient of log π.
+
+    The loss per token is -w · min(r·A, clip(r, 1-eps_low, 1+eps_high)·A) + kl_coef · k3, with
+    r = π/π_prox and w the importance weight π_prox/μ. Normalisation:
+    - `token_mean`: sum over tokens / number of tokens (DAPO);
+    - `grpo`: mean over each sequence's tokens, then over sequences;
+    - `dr_grpo`: sum over tokens / (sequences × `denominator`, a constant such as max_tokens).
+    Divisors count the tokens of `mask`, so tokens dropped by importance sampling lower the loss
+    without re-weighting the rest. `denominator` overrides the divisor of `token_mean` (token
+    count) and `grpo` (sequence count), so that a micro-batch or one rank's shard can be
+    normalised by the whole batch's count.
+    """
+    mask = mask.to(logprobs.dtype)
+    if proximal_logprobs is None:
+        proximal_logprobs = logprobs.detach()
+    adv = token_advantages if token_advantages is not None else advantages[:, None].expand_as(logprobs)  # (B, T)
+    weights, kept = importance_weights(
+        proximal_logprobs, behaviour_logprobs, mask, mode=is_mode, cap=is_cap, low=is_low, high=is_high
+    )
+    ratio = torch.exp(logprobs - proximal_logprobs)  # (B, T)
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    surrogate = torch.minimum(ratio * adv, clipped * adv)
+    per_token = -weights.detach() * surrogate  # (B, T)
+    kl = torch.zeros_like(per_token)
+    if ref_logprobs is not None and kl_coef != 0.0:
+        delta = ref_logprobs - logprobs
+        kl = delta.exp() - delta - 1.0  # k3 estimator of KL(π || π_ref), >= 0
+        per_token = per_token + kl_coef * kl
+    if normalization == "token_mean":
+        loss = (per_token * kept).sum() / (denominator if denominator is not None else mask.sum().clamp(min=1))
+    elif normalization == "grpo":
+        per_seq = (per_token * kept).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+        loss = per_seq.sum() / (denominator if denominator is not None else per_seq.shape[0])
+    elif normalization == "dr_grpo":
+        if denominator is None:
+            raise ValueError("dr_grpo needs a constant `denominator` (e.g. sequences × max_tokens)")
+        loss = (per_token * kept).sum() / denominator
+    else:
+        raise ValueError(f"unknown normalization {normalization!r}")
+
+    with torch.no_grad():
+        is_ratio = (proximal_logprobs - behaviour_logprobs).exp()
+        valid = mask.bool()
+        values = is_ratio[valid] if valid.any() else torch.ones(1)
+        log_ratio = (proximal_logprobs - behaviour_logprobs)[valid] if valid.any() else torch.zeros(1)
+        clip_hit = ((ratio < 1.0 - eps_low) & (adv < 0)) | ((ratio > 1.0 + eps_high) & (adv > 0))
+        metrics = {
+            "ratio_mean": values.mean(),
+            "ratio_min": values.min(),
+            "ratio_max": values.max(),
+            "clip_frac": _masked_mean(clip_hit.to(mask.dtype), mask),
+            "is_masked_frac": 1.0 - kept.sum() / mask.sum().clamp(min=1),
+            # KL(μ || π) by the k3 estimator over the behaviour samples: r - 1 - log r, r = π/μ.
+            "mismatch_kl": (log_ratio.exp() - 1.0 - log_ratio).mean(),
+            "kl_ref": _masked_mean(kl, mask),
+        }
+    return loss, metrics

@@ -1,0 +1,156 @@
+"""Losses and chunked log-probs against hand-computed values and the naive computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollflow.loss import importance_weights, naive_token_logprobs, policy_loss, support_mask, token_logprobs
+
+
+def _inputs(n: int, h: int, v: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float32, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float32, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize(
+    ("n", "h", "v", "chunk", "settings"),
+    [
+        (37, 16, 50, 1, {}),
+        (37, 16, 50, 7, {"temperature": 0.7}),
+        (37, 16, 50, 37, {"temperature": 1.3, "top_k": 5}),
+        (37, 16, 50, 100, {"top_p": 0.9}),
+        (24, 8, 49_152, 5, {"temperature": 0.8, "top_k": 50, "top_p": 0.95}),
+        (24, 8, 49_152, 1024, {}),
+    ],
+)
+def test_chunked_logprobs_and_grads_equal_naive(n, h, v, chunk, settings):
+    hidden, weight, targets = _inputs(n, h, v)
+    # Targets must lie in the support for a finite log-prob: sample them from it.
+    with torch.no_grad():
+        logits = (hidden @ weight.t()) / settings.get("temperature", 1.0)
+        keep = support_mask(logits, settings.get("top_k", 0), settings.get("top_p", 1.0))
+        if keep is not None:
+            logits = logits.masked_fill(~keep, float("-inf"))
+        targets = torch.multinomial(torch.softmax(logits, -1), 1, generator=torch.Generator().manual_seed(1))[:, 0]
+    upstream = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    got, entropy = token_logprobs(hidden, weight, targets, chunk=chunk, **settings)
+    (got * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    want = naive_token_logprobs(hidden, weight, targets, **settings)
+    (want * upstream).sum().backward()
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(grads[0], hidden.grad, atol=1e-5)
+    assert torch.allclose(grads[1], weight.grad, atol=1e-5)
+    assert (entropy >= 0).all() and entropy.requires_grad is False
+
+
+def test_support_mask_matches_the_top_k_then_top_p_rule():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert support_mask(logits, 0, 1.0) is None
+    assert support_mask(logits, 2, 1.0).tolist() == [[True, True, False, False]]
+    # Ascending cumulative mass 0.05, 0.20, 0.50, 1.0: with p = 0.8 the tail of mass <= 0.2 goes.
+    assert support_mask(logits, 0, 0.8).tolist() == [[True, True, False, False]]
+    assert support_mask(logits, 0, 0.81).tolist() == [[True, True, True, False]]
+    # Top-p acts on the top-k-renormalised distribution (0.526, 0.316, 0.158): 0.158 <= 0.19 goes.
+    assert support_mask(logits, 3, 0.81).tolist() == [[True, True, False, False]]
+    assert support_mask(logits, 3, 0.85).tolist() == [[True, True, True, False]]
+    assert support_mask(logits, 0, 0.01).tolist() == [[True, False, False, False]]
+
+
+def _on_policy():
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.5, -2.5]], requires_grad=True)
+    behaviour = logprobs.detach().clone()
+    advantages = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    return logprobs, behaviour, advantages, mask
+
+
+@pytest.mark.parametrize(
+    ("normalization", "denominator", "loss_value", "grad"),
+    [
+        ("token_mean", None, 0.2, [[-0.2, -0.2, 0.0], [0.2, 0.2, 0.2]]),
+        ("grpo", None, 0.0, [[-0.25, -0.25, 0.0], [1 / 6, 1 / 6, 1 / 6]]),
+        ("dr_grpo", 6.0, 1 / 6, [[-1 / 6, -1 / 6, 0.0], [1 / 6, 1 / 6, 1 / 6]]),
+    ],
+)
+def test_normalizations_by_hand(normalization, denominator, loss_value, grad):
+    logprobs, behaviour, advantages, mask = _on_policy()
+    loss, metrics = policy_loss(
+        logprobs, behaviour, advantages, mask, normalization=normalization, denominator=denominator
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(loss_value, abs=1e-6)
+    assert torch.allclose(logprobs.grad, torch.tensor(grad), atol=1e-6)
+    assert metrics["ratio_mean"].item() == pytest.approx(1.0)
+    assert metrics["mismatch_kl"].item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_asymmetric_clipping_stops_the_gradient_only_where_it_should():
+    proximal = torch.zeros(1, 4)
+    # Ratios 1.5, 0.5, 1.1, 0.7 against the proximal policy; advantages +1, +1, -1, -1.
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.1, 0.7]])).requires_grad_(True)
+    token_adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    loss, metrics = policy_loss(
+        logprobs, proximal, torch.zeros(1), torch.ones(1, 4), proximal_logprobs=proximal,
+        token_advantages=token_adv, eps_low=0.2, eps_high=0.28, is_mode="none",
+    )
+    loss.backward()
+    g = logprobs.grad[0]
+    assert g[0] == 0.0  # 1.5 > 1.28 with A > 0: clipped
+    assert g[1] == pytest.approx(-0.5 / 4)  # 0.5 with A > 0: unclipped (pessimistic side)
+    assert g[2] == pytest.approx(1.1 / 4)  # 1.1 with A < 0: inside the range
+    assert g[3] == 0.0  # 0.7 < 0.8 with A < 0: clipped
+    assert metrics["clip_frac"].item() == pytest.approx(0.5)
+
+
+def test_token_tis_caps_and_mis_masks():
+    behaviour = torch.log(torch.tensor([[1.0, 1.0, 1.0]]))
+    proximal = torch.log(torch.tensor([[3.0, 0.25, 1.2]]))
+    mask = torch.ones(1, 3)
+    w, kept = importance_weights(proximal, behaviour, mask, mode="tis", cap=2.0)
+    assert w.tolist()[0] == pytest.approx([2.0, 0.25, 1.2])
+    assert kept.tolist() == [[1.0, 1.0, 1.0]]
+    w, kept = importance_weights(proximal, behaviour, mask, mode="mis", low=0.5, high=2.0)
+    assert kept.tolist() == [[0.0, 0.0, 1.0]]
+    assert w[0, 2].item() == pytest.approx(1.2)
+
+
+def test_sequence_is_uses_the_mean_log_ratio_not_the_sum():
+    length = 200
+    behaviour = torch.zeros(1, length)
+    proximal = torch.full((1, length), 0.1)  # every token's ratio e^0.1; the sum would be e^20
+    w, kept = importance_weights(proximal, behaviour, torch.ones(1, length), mode="seq_tis", cap=2.0)
+    assert w[0, 0].item() == pytest.approx(math.exp(0.1), rel=1e-5)
+    assert torch.allclose(w, w[0, 0].expand_as(w))
+    _, kept = importance_weights(proximal * 10, behaviour, torch.ones(1, length), mode="seq_mis", high=2.0)
+    assert kept.sum() == 0  # mean log-ratio 1.0 -> e > 2: the whole sequence is dropped
+
+
+def test_is_weights_scale_the_gradient_and_masked_tokens_count():
+    logprobs = torch.zeros(1, 2, requires_grad=True)
+    behaviour = torch.log(torch.tensor([[0.5, 4.0]]))  # ratios 2 and 0.25
+    loss, metrics = policy_loss(logprobs, behaviour, torch.tensor([1.0]), torch.ones(1, 2), is_mode="mis",
+                                is_low=0.5, is_high=2.0)
+    loss.backward()
+    assert logprobs.grad.tolist() == [[pytest.approx(-2.0 / 2), 0.0]]
+    assert metrics["is_masked_frac"].item() == pytest.approx(0.5)
+    assert metrics["ratio_max"].item() == pytest.approx(2.0) and metrics["ratio_min"].item() == pytest.approx(0.25)
+
+
+def test_k3_kl_to_reference():
+    logprobs, behaviour, advantages, mask = _on_policy()
+    _, metrics = policy_loss(logprobs, behaviour, advantages, mask, ref_logprobs=logprobs.detach(), kl_coef=0.1)
+    assert metrics["kl_ref"].item() == pytest.approx(0.0)
+    ref = logprobs.detach() + 0.5
+    loss_kl, metrics = policy_loss(logprobs, behaviour, advantages, mask, ref_logprobs=ref, kl_coef=0.1)
+    k3 = math.exp(0.5) - 0.5 - 1
+    assert metrics["kl_ref"].item() == pytest.approx(k3, rel=1e-6)
+    loss_plain, _ = policy_loss(logprobs, behaviour, advantages, mask)
+    assert (loss_kl - loss_plain).item() == pytest.approx(0.1 * k3, rel=1e-5)
