@@ -105,6 +105,100 @@ class RolloutConfig(_Section, frozen=True):
     `resume` aborts and resubmits prompt + prefix, `restart` starts over from the prompt."""
 
 
+class LoRAConfig(_Section, frozen=True):
+    enabled: bool = False
+    """Train a LoRA adapter (peft) instead of all weights; only adapter tensors are synced."""
+
+    rank: PosInt = 8
+    """Adapter rank r."""
+
+    alpha: PosInt = 16
+    """Adapter scale numerator: the update is (alpha / r) · B A."""
+
+    dropout: NonNegFloat = 0.0
+    """Dropout on the adapter input."""
+
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Module names that get adapters."""
+
+
+class TrainerConfig(_Section, frozen=True):
+    lr: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-5
+    """Peak AdamW learning rate."""
+
+    weight_decay: NonNegFloat = 0.0
+    """AdamW weight decay."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+
+    grad_clip: NonNegFloat = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+    warmup_steps: NonNegInt = 0
+    """Linear warm-up steps from 0 to `lr`."""
+
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up; `cosine` decays to 10% of `lr` over `total_steps`."""
+
+    total_steps: NonNegInt = 0
+    """Steps of the cosine schedule (required when `schedule = "cosine"`)."""
+
+    micro_batch_tokens: PosInt = 4096
+    """Token budget of one micro-batch (padded prompt + completion tokens); gradients accumulate
+    over micro-batches, so the step equals one step on the whole batch."""
+
+    loss_chunk: PosInt = 128
+    """Tokens per chunk of LM-head logits in the log-prob computation."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Trainer parameter dtype (bfloat16 on GPU; float32 matches the CPU engine exactly)."""
+
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+    seed: int = 0
+    """Seed for adapter initialisation and dropout (the same on every rank)."""
+
+    lora: LoRAConfig = LoRAConfig()
+    """LoRA adapter training."""
+
+
+class LossConfig(_Section, frozen=True):
+    eps_low: NonNegFloat = 0.2
+    """Lower clip range of the policy ratio (1 - eps_low)."""
+
+    eps_high: NonNegFloat = 0.28
+    """Upper clip range of the policy ratio (1 + eps_high); larger than eps_low as in DAPO."""
+
+    normalization: Literal["grpo", "dr_grpo", "token_mean"] = "token_mean"
+    """`grpo`: per-sequence mean then mean; `dr_grpo`: sum / (sequences × max_tokens);
+    `token_mean`: sum / tokens (DAPO)."""
+
+    is_mode: Literal["none", "tis", "mis", "seq_tis", "seq_mis"] = "tis"
+    """Importance-sampling correction against the engine's behaviour log-probs: token-level
+    truncated (`tis`), token-level masked (`mis`, IcePop-style), or per sequence from the mean
+    log-ratio (`seq_tis`, `seq_mis`); `none` disables it."""
+
+    is_cap: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
+    """Truncation cap of `tis` / `seq_tis`."""
+
+    is_low: NonNegFloat = 0.5
+    """Lower bound of the kept ratio range of `mis` / `seq_mis`."""
+
+    is_high: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
+    """Upper bound of the kept ratio range of `mis` / `seq_mis`."""
+
+    kl_coef: NonNegFloat = 0.0
+    """Coefficient of the k3 KL penalty to the initial (reference) policy; 0 disables it."""
+
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    """Group baseline: mean (`grpo`) or leave-one-out (`rloo`)."""
+
+    scale_std: bool = True
+    """Divide `grpo` advantages by the group's reward std."""
+
+
 class Config(_Section, frozen=True):
     model: ModelConfig = ModelConfig()
     """The policy model."""
@@ -120,6 +214,12 @@ class Config(_Section, frozen=True):
 
     rollout: RolloutConfig = RolloutConfig()
     """How samples are generated."""
+
+    trainer: TrainerConfig = TrainerConfig()
+    """The optimizer step on each trainer rank."""
+
+    loss: LossConfig = LossConfig()
+    """The policy loss and advantages."""
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -255,6 +355,6 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return msgspec.json.encode(value).decode()
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")

@@ -25,8 +25,8 @@ import torch
 Normalization = Literal["grpo", "dr_grpo", "token_mean"]
 ISMode = Literal["none", "tis", "mis", "seq_tis", "seq_mis"]
 
-DEFAULT_CHUNK = 1024
-"""Tokens per chunk of LM-head logits: 1024 × 49,152 float32 logits are 200 MB."""
+DEFAULT_CHUNK = 128
+"""Tokens per chunk of LM-head logits: 128 × 49,152 float32 logits are 25 MB."""
 
 
 def support_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | None:
@@ -52,15 +52,36 @@ def support_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
     return keep
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = hidden @ weight.t()  # (c, V)
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    """Sampling-distribution logits of one chunk, (c, V) float32; truncated entries are -inf.
+
+    Works in place on the one (c, V) buffer it allocates.
+    """
+    logits = (hidden @ weight.t()).float()  # (c, V)
     if temperature != 1.0:
-        logits = logits / temperature
-    return logits.float()
+        logits.div_(temperature)
+    keep = support_mask(logits, top_k, top_p)
+    if keep is not None:
+        logits.masked_fill_(~keep, float("-inf"))
+    return logits
+
+
+def _softmax_(logits: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in place over the last dim, normalised by its own sum (as accurate as
+    `torch.softmax`); returns (probabilities, sum of exp(logits - top))."""
+    probs = logits.sub_(top).exp_()
+    total = probs.sum(dim=-1, keepdim=True)  # (c, 1)
+    return probs.div_(total), total
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """log p(target) per token, chunk by chunk; backward recomputes each chunk's logits."""
+    """log p(target) per token, chunk by chunk; backward recomputes each chunk's logits.
+
+    Peak extra memory is a few (chunk × vocab) buffers plus the LM-head gradient, instead of
+    several (tokens × vocab) tensors.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk):  # type: ignore[override]
@@ -68,14 +89,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy = torch.empty_like(out)
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
-            logits = _chunk_logits(hidden[start:end], weight, temperature)  # (c, V)
-            keep = support_mask(logits, top_k, top_p)
-            if keep is not None:
-                logits = logits.masked_fill(~keep, float("-inf"))
-            logp = torch.log_softmax(logits, dim=-1)
-            out[start:end] = logp.gather(-1, targets[start:end, None]).squeeze(-1)
-            p = logp.exp()
-            entropy[start:end] = -(p * logp.nan_to_num(neginf=0.0)).sum(-1)
+            logits = _chunk_logits(hidden[start:end], weight, temperature, top_k, top_p)  # (c, V)
+            top = logits.amax(dim=-1, keepdim=True)  # (c, 1)
+            target = logits.gather(-1, targets[start:end, None]) - top  # (c, 1)
+            probs, total = _softmax_(logits, top)
+            out[start:end] = (target - total.log()).squeeze(-1)
+            entropy[start:end] = torch.special.entr(probs).sum(-1)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.settings = (temperature, top_k, top_p, chunk)
         ctx.mark_non_differentiable(entropy)
@@ -86,24 +105,21 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         temperature, top_k, top_p, chunk = ctx.settings
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
-            logits = _chunk_logits(hidden[start:end], weight, temperature)  # (c, V)
-            keep = support_mask(logits, top_k, top_p)
-            if keep is not None:
-                logits = logits.masked_fill(~keep, float("-inf"))
-            # d log p(y) / d logits = onehot(y) - softmax, scaled by the upstream grad and 1/T.
-            grad_logits = -torch.softmax(logits, dim=-1)
+            logits = _chunk_logits(hidden[start:end], weight, temperature, top_k, top_p)  # (c, V)
+            # d log p(y) / d logits = onehot(y) - softmax, times the upstream grad and 1/T; built
+            # in place in the logits buffer.
+            grad_logits, _ = _softmax_(logits, logits.amax(dim=-1, keepdim=True))
+            grad_logits.neg_()
             grad_logits.scatter_add_(-1, targets[start:end, None], torch.ones_like(grad_logits[:, :1]))
-            grad_logits *= (grad_out[start:end] / temperature)[:, None]
+            grad_logits.mul_((grad_out[start:end] / temperature)[:, None])
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight
             if grad_weight is not None:
-                grad_weight += grad_logits.t().float() @ hidden[start:end].float()
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+                grad_weight.addmm_(grad_logits.t(), hidden[start:end])  # no (V, H) temporary
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

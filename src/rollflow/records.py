@@ -111,3 +111,34 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         """(oldest, newest) token version in the batch."""
         versions = [v for s in self.samples for v in s.versions]
         return (min(versions), max(versions)) if versions else (-1, -1)
+
+
+class TrainSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One sample as the trainer consumes it: tokens, behaviour log-probs, mask, advantage."""
+
+    input_ids: list[int]
+    """Prompt + completion token ids."""
+    prompt_len: int
+    logprobs: list[float]
+    """Behaviour log-prob per completion token."""
+    loss_mask: list[int]
+    """Per completion token: 1 in the loss, 0 for environment tokens or tokens withheld as too stale."""
+    advantage: float
+    token_advantages: list[float] | None = None
+    """Per completion token advantages (process rewards, distillation); overrides `advantage`."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def num_completion(self) -> int:
+        return len(self.input_ids) - self.prompt_len
+
+
+class TrainBatch(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What one optimizer step consumes, as sent from the controller to every trainer rank."""
+
+    step: int
+    samples: list[TrainSample]
+    max_tokens: int
+    """The sampling budget per completion (the constant of `dr_grpo` normalisation)."""

@@ -18,6 +18,12 @@ def _inputs(n: int, h: int, v: int, seed: int = 0):
     return hidden, weight, targets
 
 
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within 1e-5 in float32, relative to the tensor's scale: sums over 49,152 terms in a
+    different order differ by ~1e-5 on gradients of size ~7."""
+    return (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
 @pytest.mark.parametrize(
     ("n", "h", "v", "chunk", "settings"),
     [
@@ -45,9 +51,9 @@ def test_chunked_logprobs_and_grads_equal_naive(n, h, v, chunk, settings):
     hidden.grad = weight.grad = None
     want = naive_token_logprobs(hidden, weight, targets, **settings)
     (want * upstream).sum().backward()
-    assert torch.allclose(got, want, atol=1e-5)
-    assert torch.allclose(grads[0], hidden.grad, atol=1e-5)
-    assert torch.allclose(grads[1], weight.grad, atol=1e-5)
+    assert close(got, want)
+    assert close(grads[0], hidden.grad)
+    assert close(grads[1], weight.grad)
     assert (entropy >= 0).all() and entropy.requires_grad is False
 
 

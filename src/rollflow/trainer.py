@@ -1,0 +1,433 @@
+"""One trainer rank's optimizer step: model, micro-batches, loss, AdamW, FSDP2, LoRA.
+
+Plain torch, no asyncio; the controller calls `Trainer.step` from a worker thread. Every rank
+receives the whole `TrainBatch`, takes its share (balanced by tokens), runs it in micro-batches
+under a token budget with gradient accumulation, and normalises by the *whole batch's* counts,
+so the step is the same whatever the number of ranks and micro-batches. With several ranks the
+model is sharded with FSDP2 (`fully_shard`; it runs on CPU with gloo as well as on CUDA with
+NCCL), and every rank runs the same number of forward/backward passes (ranks with less work run
+an empty pass) because FSDP2's gathers are collective.
+
+The LM head is applied through `rollflow.loss.token_logprobs`, so full logits never exist.
+This module does not decide what to train on, and does not talk to the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rollflow.config import LossConfig, TrainerConfig
+from rollflow.loss import policy_loss, token_logprobs
+from rollflow.records import TrainBatch, TrainSample
+
+log = logging.getLogger(__name__)
+
+PEFT_PREFIX = "base_model.model."
+
+
+class PolicyHead(nn.Module):
+    """Causal LM body + chunked log-prob head: (padded tokens, gather index) -> log-probs.
+
+    Wrapping both in one module lets FSDP2 gather the LM head (and tied embeddings) for the
+    custom log-prob function exactly as for any other layer.
+    """
+
+    def __init__(self, lm: nn.Module, chunk: int) -> None:
+        super().__init__()
+        self.lm = lm
+        self.chunk = chunk
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, L)
+        attention_mask: torch.Tensor,  # (B, L)
+        gather: torch.Tensor,  # (N,) flat positions whose hidden state predicts a target
+        targets: torch.Tensor,  # (N,)
+        temperature: float,
+        top_k: int,
+        top_p: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        body = self.lm.get_decoder()  # type: ignore[operator]
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, H)
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather)  # (N, H)
+        weight = self.lm.get_output_embeddings().weight  # type: ignore[operator]  # (V, H)
+        return token_logprobs(
+            rows, weight, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk=self.chunk
+        )
+
+
+def plan_shards(samples: list[TrainSample], world_size: int) -> list[list[int]]:
+    """Split sample indices across ranks, balancing tokens (longest first, to the lightest rank)."""
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids)):
+        rank = load.index(min(load))
+        shards[rank].append(i)
+        load[rank] += len(samples[i].input_ids)
+    return [sorted(s) for s in shards]
+
+
+def plan_micro_batches(samples: list[TrainSample], indices: list[int], budget: int) -> list[list[int]]:
+    """Group samples into micro-batches whose padded size (count × longest) fits `budget`."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in sorted(indices, key=lambda i: len(samples[i].input_ids)):
+        n = len(samples[i].input_ids)
+        if current and max(longest, n) * (len(current) + 1) > budget:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _lr_lambda(config: TrainerConfig):
+    def factor(step: int) -> float:
+        if config.warmup_steps and step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.schedule == "cosine":
+            span = max(1, config.total_steps - config.warmup_steps)
+            progress = min(1.0, (step - config.warmup_steps) / span)
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+class Trainer:
+    """Model, optimizer and schedule of one rank, and the step that consumes a `TrainBatch`."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: TrainerConfig = TrainerConfig(),  # noqa: B008 - frozen Struct
+        loss: LossConfig = LossConfig(),  # noqa: B008 - frozen Struct
+        *,
+        device: str | torch.device | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.loss_config = loss
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        if device is None:
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        if config.gradient_checkpointing:
+            lm.gradient_checkpointing_enable()
+        self.reference: PolicyHead | None = None
+        if loss.kl_coef > 0 and not config.lora.enabled:
+            ref = copy.deepcopy(lm).eval().requires_grad_(False)
+            self.reference = self._shard(PolicyHead(ref, config.loss_chunk))
+        torch.manual_seed(config.seed)  # identical adapter initialisation on every rank
+        if config.lora.enabled:
+            from peft import LoraConfig, get_peft_model
+
+            lm = get_peft_model(
+                lm,
+                LoraConfig(
+                    r=config.lora.rank,
+                    lora_alpha=config.lora.alpha,
+                    lora_dropout=config.lora.dropout,
+                    target_modules=list(config.lora.target_modules),
+                ),
+            )
+        self.module = self._shard(PolicyHead(lm, config.loss_chunk))
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=False
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
+        self.steps = 0
+
+    def _shard(self, module: PolicyHead) -> PolicyHead:
+        """FSDP2 over ranks: each decoder layer is its own unit, the rest belongs to the root."""
+        if self.world_size == 1:
+            return module
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for layer in module.lm.get_decoder().layers:  # type: ignore[operator, union-attr]
+            fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        return module
+
+    @property
+    def lm(self) -> nn.Module:
+        return self.module.lm
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def _tensors(self, samples: list[TrainSample]) -> dict[str, Any]:
+        """Pad a micro-batch: token ids, attention mask, gather index and per-token targets."""
+        B = len(samples)
+        L = max(len(s.input_ids) for s in samples)
+        T = max(s.num_completion for s in samples)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        attn = torch.zeros(B, L, dtype=torch.long)
+        behaviour = torch.zeros(B, T)
+        mask = torch.zeros(B, T)
+        token_adv = torch.zeros(B, T)
+        gather, targets, slots = [], [], []
+        for b, s in enumerate(samples):
+            n, c = len(s.input_ids), s.num_completion
+            ids[b, :n] = torch.tensor(s.input_ids)
+            attn[b, :n] = 1
+            behaviour[b, :c] = torch.tensor(s.logprobs)
+            mask[b, :c] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            token_adv[b, :c] = torch.tensor(s.token_advantages) if s.token_advantages is not None else s.advantage
+            # The hidden state at position t predicts token t + 1.
+            gather.extend(b * L + t - 1 for t in range(s.prompt_len, n))
+            targets.extend(s.input_ids[s.prompt_len :])
+            slots.extend(b * T + j for j in range(c))
+        to = self.device
+        return {
+            "ids": ids.to(to),
+            "attn": attn.to(to),
+            "gather": torch.tensor(gather, dtype=torch.long, device=to),
+            "targets": torch.tensor(targets, dtype=torch.long, device=to),
+            "slots": torch.tensor(slots, dtype=torch.long, device=to),
+            "behaviour": behaviour.to(to),
+            "mask": mask.to(to),
+            "token_adv": token_adv.to(to),
+            "shape": (B, T),
+        }
+
+    def _logprobs(self, module: PolicyHead, t: dict[str, Any], sampling: tuple[float, int, float]):
+        flat, entropy = module(t["ids"], t["attn"], t["gather"], t["targets"], *sampling)
+        B, T = t["shape"]
+        dense = torch.zeros(B * T, dtype=flat.dtype, device=flat.device).index_put((t["slots"],), flat)
+        ent = torch.zeros(B * T, device=flat.device).index_put((t["slots"],), entropy)
+        return dense.view(B, T), ent.view(B, T)
+
+    def _empty_pass(self) -> None:
+        """A forward/backward with zero loss, so FSDP2's collectives line up across ranks."""
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        out, _ = self.module(ids, torch.ones_like(ids), torch.zeros(1, dtype=torch.long, device=self.device),
+                             torch.zeros(1, dtype=torch.long, device=self.device), 1.0, 0, 1.0)
+        (out.sum() * 0.0).backward()
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on the whole batch; returns metrics (identical on every rank)."""
+        sums, low, high = self.accumulate(batch)
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        if self.distributed:
+            dist.all_reduce(sums)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        n = max(sums[1].item(), 1.0)
+        return {
+            "loss": sums[0].item(),
+            "tokens": sums[1].item(),
+            "ratio_mean": sums[2].item() / n,
+            "ratio_min": low.item() if sums[1] else 1.0,
+            "ratio_max": high.item() if sums[1] else 1.0,
+            "clip_frac": sums[3].item() / n,
+            "is_masked_frac": sums[4].item() / n,
+            "mismatch_kl": sums[5].item() / n,
+            "entropy": sums[6].item() / n,
+            "kl_ref": sums[7].item() / n,
+            "outside_support_tokens": sums[8].item(),
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+
+    def accumulate(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward and backward over this rank's share of the batch, adding into `.grad`.
+
+        Returns this rank's metric sums and the min / max importance ratio (not yet reduced).
+        """
+        samples = batch.samples
+        if not samples:
+            raise ValueError(f"step {batch.step}: empty batch")
+        settings = {(s.temperature, s.top_k, s.top_p) for s in samples}
+        if len(settings) != 1:
+            raise ValueError(f"step {batch.step}: samples use different sampling settings {sorted(settings)}")
+        sampling = settings.pop()
+        if sampling[0] <= 0:
+            raise ValueError("greedy samples (temperature 0) have no distribution to train on")
+        cfg = self.loss_config
+        total_tokens = float(sum(sum(s.loss_mask) for s in samples))
+        denominator = {
+            "token_mean": max(total_tokens, 1.0),
+            "grpo": float(len(samples)),
+            "dr_grpo": float(len(samples) * batch.max_tokens),
+        }[cfg.normalization]
+        shard = plan_shards(samples, self.world_size)[self.rank]
+        plans = [plan_micro_batches(samples, s, self.config.micro_batch_tokens)
+                 for s in plan_shards(samples, self.world_size)]
+        mine = plans[self.rank]
+        passes = max(len(p) for p in plans)
+        assert sum(len(m) for m in mine) == len(shard)
+
+        self.module.train()
+        # loss, tokens, ratio, clip, IS-masked, mismatch KL, entropy, ref KL, outside support
+        sums = torch.zeros(9, dtype=torch.float64)
+        low, high = torch.tensor([math.inf], dtype=torch.float64), torch.tensor([-math.inf], dtype=torch.float64)
+        for i in range(passes):
+            if i >= len(mine):
+                self._empty_pass()
+                continue
+            micro = [samples[j] for j in mine[i]]
+            t = self._tensors(micro)
+            logprobs, entropy = self._logprobs(self.module, t, sampling)
+            # A token outside the trainer's top-k / top-p support (near-ties off-policy) has
+            # log-prob -inf: it leaves the loss and is counted, instead of turning it into NaN.
+            finite = torch.isfinite(logprobs)
+            outside = float((t["mask"] * ~finite).sum())
+            if outside:
+                t["mask"] = t["mask"] * finite
+                logprobs = torch.where(finite, logprobs, torch.zeros_like(logprobs))
+            ref = None
+            if cfg.kl_coef > 0:
+                with torch.no_grad():
+                    if self.reference is not None:
+                        ref, _ = self._logprobs(self.reference, t, sampling)
+                    else:  # LoRA: the reference is the base model, adapters off
+                        with self.lm.disable_adapter():  # type: ignore[operator]
+                            ref, _ = self._logprobs(self.module, t, sampling)
+            loss, m = policy_loss(
+                logprobs,
+                t["behaviour"],
+                torch.zeros(len(micro), device=self.device),
+                t["mask"],
+                token_advantages=t["token_adv"],
+                eps_low=cfg.eps_low,
+                eps_high=cfg.eps_high,
+                normalization=cfg.normalization,
+                denominator=denominator,
+                is_mode=cfg.is_mode,
+                is_cap=cfg.is_cap,
+                is_low=cfg.is_low,
+                is_high=cfg.is_high,
+                ref_logprobs=ref,
+                kl_coef=cfg.kl_coef,
+            )
+            # FSDP2 averages gradients over ranks; the loss is already normalised by the whole
+            # batch, so scale back up to get the sum.
+            (loss * self.world_size).backward()
+            n = float(t["mask"].sum())
+            sums += torch.tensor(
+                [loss.item(), n, m["ratio_mean"].item() * n, m["clip_frac"].item() * n,
+                 m["is_masked_frac"].item() * n, m["mismatch_kl"].item() * n,
+                 float((entropy * t["mask"]).sum()), m["kl_ref"].item() * n, outside],
+                dtype=torch.float64,
+            )
+            if n:
+                low[0] = min(low.item(), m["ratio_min"].item())
+                high[0] = max(high.item(), m["ratio_max"].item())
+        return sums, low, high
+
+    @torch.no_grad()
+    def score(self, samples: list[TrainSample]) -> list[list[float]]:
+        """Log-probs of each sample's completion tokens under the current policy (no update).
+
+        Collective under FSDP2: every rank must call it with the same samples.
+        """
+        settings = {(s.temperature, s.top_k, s.top_p) for s in samples}
+        out: list[list[float]] = []
+        self.module.eval()
+        for sampling in sorted(settings):
+            chosen = [s for s in samples if (s.temperature, s.top_k, s.top_p) == sampling]
+            for start in range(0, len(chosen), 8):
+                micro = chosen[start : start + 8]
+                t = self._tensors(micro)
+                logprobs, _ = self._logprobs(self.module, t, sampling)
+                out.extend(logprobs[b, : s.num_completion].tolist() for b, s in enumerate(micro))
+        order = {id(s): i for i, s in enumerate(s for sampling in sorted(settings) for s in samples
+                                                 if (s.temperature, s.top_k, s.top_p) == sampling)}
+        return [out[order[id(s)]] for s in samples]
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Current gradients, whole, by parameter name (collective under FSDP2)."""
+        return {name: _full(p.grad) for name, p in self.module.named_parameters() if p.grad is not None}
+
+    def _clip(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ---- weights out ----------------------------------------------------------------------
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight in Hugging Face checkpoint naming, whole (gathered across ranks in
+        lockstep: every rank must iterate this together). LoRA adapters are merged in."""
+        if self.config.lora.enabled:
+            yield from self._merged_lora_weights()
+            return
+        for name, tensor in self.lm.state_dict().items():
+            yield name, _full(tensor)
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter tensors (peft naming), whole."""
+        if not self.config.lora.enabled:
+            raise ValueError("adapter_weights: trainer.lora.enabled is false")
+        from peft import get_peft_model_state_dict
+
+        return {k: _full(v) for k, v in get_peft_model_state_dict(self.lm).items()}
+
+    def _merged_lora_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from peft.tuners.lora import LoraLayer
+
+        lora_modules = {name: m for name, m in self.lm.named_modules() if isinstance(m, LoraLayer)}
+        for name, tensor in self.lm.state_dict().items():
+            if ".lora_" in name:
+                continue
+            module_name, _, leaf = name.rpartition(".")
+            owner = module_name.removesuffix(".base_layer")
+            hf_name = f"{owner}.{leaf}".removeprefix(PEFT_PREFIX)
+            full = _full(tensor)
+            layer = lora_modules.get(owner)
+            if layer is not None and leaf == "weight" and module_name.endswith(".base_layer"):
+                adapter = layer.active_adapters[0]
+                a = _full(layer.lora_A[adapter].weight.detach())  # (r, in)
+                b = _full(layer.lora_B[adapter].weight.detach())  # (out, r)
+                full = full + (b @ a) * layer.scaling[adapter]
+            yield hf_name, full
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model (or adapter), optimizer, scheduler and step count."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optimizer": optim, "scheduler": self.scheduler.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state["steps"])
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A whole tensor from a possibly sharded (DTensor) one."""
+    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return full.detach()

@@ -1,0 +1,66 @@
+"""Two gloo ranks with FSDP2 take the same step as one rank on the same batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from rollflow.config import LoRAConfig, TrainerConfig
+from rollflow.models import tiny_model_path
+from rollflow.trainer import Trainer
+
+pytestmark = pytest.mark.integration
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
+from test_trainer import make_batch  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_fsdp2_ranks_equal_one_rank(tmp_path, lora):
+    config = TrainerConfig(lr=1e-3, micro_batch_tokens=40, lora=LoRAConfig(enabled=lora, rank=4))
+    single = Trainer(tiny_model_path(0), config)
+    batch = make_batch(single, n=7)
+    (tmp_path / "batch.msgpack").write_bytes(msgspec.msgpack.encode(batch))
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), str(Path(__file__).parent / "rank_worker.py"),
+         str(tmp_path / "batch.msgpack"), str(tmp_path), "1" if lora else "0"],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = torch.load(tmp_path / "result.pt")
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+
+    single.accumulate(batch)
+    grads = single.gradients()
+    single.optimizer.zero_grad(set_to_none=True)
+    want_metrics = single.step(batch)
+    weights = dict(single.full_weights())
+
+    assert grads.keys() == result["grads"].keys() and grads
+    for name, g in grads.items():
+        assert torch.allclose(result["grads"][name], g, atol=1e-6, rtol=1e-4), name
+    assert weights.keys() == result["weights"].keys()
+    # Adam's first step moves every weight by about lr · sign(g), so a gradient within float noise
+    # of zero can land a few elements up to a fraction of lr apart; everything else agrees to 1e-5.
+    for name, w in weights.items():
+        diff = (result["weights"][name] - w).abs()
+        assert diff.max() <= 0.1 * config.lr, name
+        assert (diff > 1e-5).float().mean() <= 1e-4, name
+    for key in ("loss", "tokens", "ratio_mean", "entropy", "grad_norm"):
+        assert metrics[key] == pytest.approx(want_metrics[key], rel=1e-4, abs=1e-6), key

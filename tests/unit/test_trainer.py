@@ -1,0 +1,133 @@
+"""The trainer on the tiny model, one rank: on-policy ratios, micro-batch invariance, LoRA, state."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import msgspec
+import pytest
+import torch
+
+from rollflow.config import LoRAConfig, LossConfig, TrainerConfig
+from rollflow.models import tiny_model_path
+from rollflow.records import TrainBatch, TrainSample
+from rollflow.trainer import Trainer, plan_micro_batches, plan_shards
+
+
+def make_batch(trainer: Trainer, n: int = 6, seed: int = 0, **sampling) -> TrainBatch:
+    """Completions sampled from the model itself, with its own log-probs as behaviour (on-policy)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    samples = []
+    for i in range(n):
+        prompt = [rng.randrange(3, 800) for _ in range(rng.randint(3, 9))]
+        with torch.no_grad():
+            out = trainer.lm.generate(
+                torch.tensor([prompt]), do_sample=True, max_new_tokens=rng.randint(2, 12), min_new_tokens=2,
+                temperature=sampling.get("temperature", 1.0), top_k=sampling.get("top_k", 0) or None,
+                top_p=sampling.get("top_p", 1.0), pad_token_id=0,
+            )
+        completion = out[0, len(prompt):].tolist()
+        samples.append(TrainSample(
+            input_ids=prompt + completion, prompt_len=len(prompt), logprobs=[0.0] * len(completion),
+            loss_mask=[1] * len(completion), advantage=(1.0 if i % 2 else -1.0) * (0.5 + i / n), **sampling,
+        ))
+    behaviour = trainer.score(samples)
+    samples = [msgspec.structs.replace(s, logprobs=lp) for s, lp in zip(samples, behaviour, strict=True)]
+    return TrainBatch(step=0, samples=samples, max_tokens=12)
+
+
+def params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.full_weights()}
+
+
+def test_step_on_policy_has_unit_ratios_and_changes_weights():
+    trainer = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3))
+    batch = make_batch(trainer, temperature=0.7, top_k=20)
+    before = params(trainer)
+    # Untruncated scoring for the objective check below (after the step a sampled token may
+    # leave the top-k support).
+    plain = [msgspec.structs.replace(s, top_k=0) for s in batch.samples]
+    old = trainer.score(plain)
+    metrics = trainer.step(batch)
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-5) and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["tokens"] == sum(s.num_completion for s in batch.samples)
+    assert metrics["grad_norm"] > 0 and metrics["entropy"] > 0
+    after = params(trainer)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    # The step increased the objective: advantage-weighted log-likelihood of the batch.
+    new = trainer.score(plain)
+    objective = sum(s.advantage * (sum(n) - sum(o)) for n, o, s in zip(new, old, plain, strict=True))
+    assert objective > 0
+
+
+def test_micro_batching_does_not_change_the_step():
+    whole = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3, micro_batch_tokens=10_000))
+    split = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3, micro_batch_tokens=24))
+    batch = make_batch(whole)
+    assert len(plan_micro_batches(batch.samples, list(range(6)), 24)) > 2
+    s1, _, _ = whole.accumulate(batch)
+    s2, _, _ = split.accumulate(batch)
+    assert s1[0].item() == pytest.approx(s2[0].item(), abs=1e-6)  # the loss
+    a, b = whole.gradients(), split.gradients()
+    assert a.keys() == b.keys() and a
+    assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-4) for k in a)
+
+
+def test_plans_cover_every_sample_once():
+    batch_sizes = [5, 40, 7, 7, 33, 2, 18]
+    samples = [TrainSample(input_ids=[1] * n, prompt_len=1, logprobs=[], loss_mask=[], advantage=0.0)
+               for n in batch_sizes]
+    shards = plan_shards(samples, 3)
+    assert sorted(i for s in shards for i in s) == list(range(7))
+    loads = [sum(batch_sizes[i] for i in s) for s in shards]
+    assert max(loads) - min(loads) <= 40
+    micro = plan_micro_batches(samples, list(range(7)), 40)
+    assert sorted(i for m in micro for i in m) == list(range(7))
+    assert all(len(m) * max(batch_sizes[i] for i in m) <= 40 for m in micro)
+
+
+def test_lora_trains_only_the_adapter_and_merged_export_matches():
+    from transformers import AutoModelForCausalLM
+
+    trainer = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-2, lora=LoRAConfig(enabled=True, rank=4)))
+    base_before = {k: v.clone() for k, v in trainer.lm.state_dict().items() if "lora_" not in k}
+    batch = make_batch(trainer)
+    for _ in range(2):
+        trainer.step(batch)
+    base_after = {k: v for k, v in trainer.lm.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(base_before[k], base_after[k]) for k in base_before)
+    adapter = trainer.adapter_weights()
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path(0), dtype=torch.float32).eval()
+    missing, unexpected = plain.load_state_dict(dict(trainer.full_weights()), strict=True)
+    ids = torch.tensor([batch.samples[0].input_ids])
+    trainer.lm.eval()
+    with torch.no_grad():
+        want = trainer.lm(input_ids=ids).logits
+        got = plain(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_kl_to_reference_and_state_dict_round_trip():
+    cfg = TrainerConfig(lr=1e-3)
+    trainer = Trainer(tiny_model_path(0), cfg, LossConfig(kl_coef=0.5))
+    batch = make_batch(trainer)
+    first = trainer.step(batch)
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the first step starts at the reference
+    second = trainer.step(batch)
+    assert second["kl_ref"] > 0
+    buffer = io.BytesIO()
+    torch.save(trainer.state_dict(), buffer)  # as a checkpoint would: no tensors shared
+    buffer.seek(0)
+    other = Trainer(tiny_model_path(0), cfg, LossConfig(kl_coef=0.5))
+    other.load_state_dict(torch.load(buffer, weights_only=False))
+    assert other.steps == 2
+    m1, m2 = trainer.step(batch), other.step(batch)
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-6)
+    a, b = params(trainer), params(other)
+    assert all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)
