@@ -128,7 +128,8 @@ class Trainer:
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
-        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        lm.to(self.device)  # type: ignore[arg-type]
         if config.gradient_checkpointing:
             lm.gradient_checkpointing_enable()
         self.reference: PolicyHead | None = None
@@ -139,7 +140,7 @@ class Trainer:
         if config.lora.enabled:
             from peft import LoraConfig, get_peft_model
 
-            lm = get_peft_model(
+            lm = get_peft_model(  # type: ignore[assignment]
                 lm,
                 LoraConfig(
                     r=config.lora.rank,
@@ -185,7 +186,9 @@ class Trainer:
         behaviour = torch.zeros(B, T)
         mask = torch.zeros(B, T)
         token_adv = torch.zeros(B, T)
-        gather, targets, slots = [], [], []
+        gather: list[int] = []
+        targets: list[int] = []
+        slots: list[int] = []
         for b, s in enumerate(samples):
             n, c = len(s.input_ids), s.num_completion
             ids[b, :n] = torch.tensor(s.input_ids)
@@ -220,8 +223,15 @@ class Trainer:
     def _empty_pass(self) -> None:
         """A forward/backward with zero loss, so FSDP2's collectives line up across ranks."""
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
-        out, _ = self.module(ids, torch.ones_like(ids), torch.zeros(1, dtype=torch.long, device=self.device),
-                             torch.zeros(1, dtype=torch.long, device=self.device), 1.0, 0, 1.0)
+        out, _ = self.module(
+            ids,
+            torch.ones_like(ids),
+            torch.zeros(1, dtype=torch.long, device=self.device),
+            torch.zeros(1, dtype=torch.long, device=self.device),
+            1.0,
+            0,
+            1.0,
+        )
         (out.sum() * 0.0).backward()
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
@@ -250,7 +260,7 @@ class Trainer:
             "kl_ref": sums[7].item() / n,
             "outside_support_tokens": sums[8].item(),
             "grad_norm": grad_norm,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": float(self.scheduler.get_last_lr()[0]),
         }
 
     def accumulate(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -275,8 +285,10 @@ class Trainer:
             "dr_grpo": float(len(samples) * batch.max_tokens),
         }[cfg.normalization]
         shard = plan_shards(samples, self.world_size)[self.rank]
-        plans = [plan_micro_batches(samples, s, self.config.micro_batch_tokens)
-                 for s in plan_shards(samples, self.world_size)]
+        plans = [
+            plan_micro_batches(samples, s, self.config.micro_batch_tokens)
+            for s in plan_shards(samples, self.world_size)
+        ]
         mine = plans[self.rank]
         passes = max(len(p) for p in plans)
         assert sum(len(m) for m in mine) == len(shard)
@@ -329,9 +341,17 @@ class Trainer:
             (loss * self.world_size).backward()
             n = float(t["mask"].sum())
             sums += torch.tensor(
-                [loss.item(), n, m["ratio_mean"].item() * n, m["clip_frac"].item() * n,
-                 m["is_masked_frac"].item() * n, m["mismatch_kl"].item() * n,
-                 float((entropy * t["mask"]).sum()), m["kl_ref"].item() * n, outside],
+                [
+                    loss.item(),
+                    n,
+                    m["ratio_mean"].item() * n,
+                    m["clip_frac"].item() * n,
+                    m["is_masked_frac"].item() * n,
+                    m["mismatch_kl"].item() * n,
+                    float((entropy * t["mask"]).sum()),
+                    m["kl_ref"].item() * n,
+                    outside,
+                ],
                 dtype=torch.float64,
             )
             if n:
@@ -355,8 +375,12 @@ class Trainer:
                 t = self._tensors(micro)
                 logprobs, _ = self._logprobs(self.module, t, sampling)
                 out.extend(logprobs[b, : s.num_completion].tolist() for b, s in enumerate(micro))
-        order = {id(s): i for i, s in enumerate(s for sampling in sorted(settings) for s in samples
-                                                 if (s.temperature, s.top_k, s.top_p) == sampling)}
+        order = {
+            id(s): i
+            for i, s in enumerate(
+                s for sampling in sorted(settings) for s in samples if (s.temperature, s.top_k, s.top_p) == sampling
+            )
+        }
         return [out[order[id(s)]] for s in samples]
 
     def gradients(self) -> dict[str, torch.Tensor]:
@@ -404,8 +428,8 @@ class Trainer:
             layer = lora_modules.get(owner)
             if layer is not None and leaf == "weight" and module_name.endswith(".base_layer"):
                 adapter = layer.active_adapters[0]
-                a = _full(layer.lora_A[adapter].weight.detach())  # (r, in)
-                b = _full(layer.lora_B[adapter].weight.detach())  # (out, r)
+                a = _full(layer.lora_A[adapter].weight.detach())  # type: ignore[operator, index]  # (r, in)
+                b = _full(layer.lora_B[adapter].weight.detach())  # type: ignore[operator, index]  # (out, r)
                 full = full + (b @ a) * layer.scaling[adapter]
             yield hf_name, full
 
@@ -421,8 +445,9 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import msgspec
 import pytest
@@ -27,10 +28,9 @@ async def _samples(engine, spec: SamplingSpec):
 
 def _ratios(trainer: Trainer, samples, **override) -> list[float]:
     packed = [msgspec.structs.replace(train_sample(s, 0.0), **override) for s in samples]
-    import math
-
     scored = trainer.score(packed)
-    return [math.exp(t - b) for s, lps in zip(packed, scored, strict=True) for t, b in zip(lps, s.logprobs, strict=True)]
+    pairs = (zip(lps, s.logprobs, strict=True) for s, lps in zip(packed, scored, strict=True))
+    return [math.exp(t - b) for pair in pairs for t, b in pair]
 
 
 @pytest.mark.parametrize(

@@ -104,7 +104,7 @@ def test_lora_trains_only_the_adapter_and_merged_export_matches():
     assert adapter and all("lora_" in k for k in adapter)
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_path(0), dtype=torch.float32).eval()
-    missing, unexpected = plain.load_state_dict(dict(trainer.full_weights()), strict=True)
+    plain.load_state_dict(dict(trainer.full_weights()), strict=True)
     ids = torch.tensor([batch.samples[0].input_ids])
     trainer.lm.eval()
     with torch.no_grad():
