@@ -63,6 +63,10 @@ class EngineConfig(_Section, frozen=True):
     start_timeout_s: NonNegFloat = 300.0
     """Seconds to wait for the engine to start before giving up with an error."""
 
+    update_deadline_s: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
+    """Deadline of a whole weight update (pause, transfer, load, resume); past it the update
+    fails with an error naming the stage and the engine keeps its weights and version."""
+
 
 class SamplingConfig(_Section, frozen=True):
     temperature: NonNegFloat = 1.0

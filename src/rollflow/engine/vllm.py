@@ -23,13 +23,13 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from rollflow.config import EngineConfig
 from rollflow.engine import EngineOutput, PartialMode, Weights, spans_to_versions
-from rollflow.errors import EngineDeadError, EngineError
+from rollflow.errors import EngineDeadError, EngineError, WeightSyncError, WeightSyncTimeout
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,10 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._aborted: set[str] = set()
         self._live: set[str] = set()
+        self.salt_prefix_cache = True
+        """Salt prefix-cache keys with the version (tests turn this off to show the stale-KV bug)."""
+        self.reset_prefix_cache_on_update = True
+        """Reset the prefix cache in every update (tests turn this off to show the stale-KV bug)."""
 
     @property
     def version(self) -> int:
@@ -159,7 +163,9 @@ class VLLMEngine:
 
         llm = self.llm
         # Salt the prefix cache by version: a request never reuses KV computed under older weights.
-        prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": f"v{self._version}"}
+        prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
+        if self.salt_prefix_cache:
+            prompt["cache_salt"] = f"v{self._version}"
         self._live.add(request_id)
         produced = 0
         try:
@@ -210,33 +216,74 @@ class VLLMEngine:
         """Load every safetensors file of a folder into the (paused) engine."""
         await self.llm.collective_rpc("rollflow_load_path", args=(str(path),))
 
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call a `WorkerExtension` method on every worker; returns their results."""
+        return await self.llm.collective_rpc(method, args=args)
+
     async def update_weights(self, weights: Weights, *, partial: PartialMode = "keep") -> int:
-        return await self._update(lambda: self.load_weights(weights), partial)
+        return await self.update_weights_with(lambda: self.load_weights(weights), partial=partial)
 
     async def update_weights_from_path(self, path: str | Path, *, partial: PartialMode = "keep") -> int:
-        return await self._update(lambda: self.load_weights_from_path(path), partial)
+        return await self.update_weights_with(lambda: self.load_weights_from_path(path), partial=partial)
 
-    async def _update(self, load: Any, partial: PartialMode) -> int:
+    async def update_weights_with(
+        self,
+        load: Callable[[], Awaitable[object]],
+        *,
+        partial: PartialMode = "keep",
+        deadline_s: float | None = None,
+    ) -> int:
+        """The weight-update critical section around `load()`; returns the new version.
+
+        lock -> pause (keep or abort in-flight requests) -> load -> label the new version ->
+        reset the prefix cache -> resume (always) -> bump the version (only on success). The
+        whole section has a deadline: a stalled load raises `WeightSyncTimeout` naming the stage,
+        the engine is resumed and keeps its version.
+        """
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
         llm = self.llm
+        deadline = deadline_s if deadline_s is not None else self.config.update_deadline_s
         async with self._update_lock:
             keep = partial == "keep"
-            await self.pause(keep=keep)
+            stage = "pause"
             try:
-                await load()
-                new_version = self._version + 1
-                await llm.update_weight_version(str(new_version))
-                # Mandatory: otherwise prompts longer than one block reuse KV from the old weights.
-                # In keep mode, also drop running requests' KV so it is recomputed under new weights.
-                recompute = keep and not self.config.keep_kv_on_update
-                await llm.reset_prefix_cache(reset_running_requests=recompute)
+                async with asyncio.timeout(deadline):
+                    await self.pause(keep=keep)
+                    stage = "load"
+                    await load()
+                    new_version = self._version + 1
+                    stage = "label"
+                    await llm.update_weight_version(str(new_version))
+                    if self.reset_prefix_cache_on_update:
+                        stage = "reset prefix cache"
+                        # Mandatory: else prompts longer than a block reuse KV from old weights.
+                        # In keep mode, running requests' KV is also recomputed under the new ones.
+                        recompute = keep and not self.config.keep_kv_on_update
+                        await llm.reset_prefix_cache(reset_running_requests=recompute)
                 self._version = new_version
+            except TimeoutError:
+                raise WeightSyncTimeout(
+                    f"weight update to version {self._version + 1} stalled in stage '{stage}' for more than "
+                    f"{deadline:g} s (engine.update_deadline_s); the engine keeps version {self._version}"
+                ) from None
             except VLLMDead as err:
                 raise self._dead(err) from err
+            except Exception as err:
+                raise WeightSyncError(
+                    f"weight update to version {self._version + 1} failed in stage '{stage}': {err}; "
+                    f"the engine keeps version {self._version}"
+                ) from err
             finally:
                 if not llm.errored:
-                    await self.resume()
+                    try:
+                        async with asyncio.timeout(deadline):
+                            await self.resume()
+                    except TimeoutError:
+                        raise EngineDeadError(
+                            f"vLLM engine for {self.model_path} did not resume within {deadline:g} s "
+                            "after a weight update"
+                        ) from None
         return self._version
 
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:

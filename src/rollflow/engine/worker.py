@@ -1,29 +1,42 @@
 """Code that runs inside vLLM's worker process (named in `worker_extension_cls`).
 
 vLLM mixes `WorkerExtension` into its worker class, so these methods run next to the model
-and are reached from the engine adapter through `collective_rpc`. Weights arrive as
-safetensors bytes (collective_rpc carries bytes natively; raw tensors would arrive as lists)
-or as a path, and are loaded through vLLM's layerwise reload, because a plain
+and are reached from the engine adapter through `collective_rpc`. Weights are loaded through
+vLLM's layerwise reload (`reload_weights(weights_iterator=...)`), because a plain
 `model.load_weights` after startup fails on the CPU backend (it repacks linear weights).
-This module must stay importable without rollflow's heavier dependencies.
+Every source hands the loader views, one bucket at a time, in checkpoint naming:
+
+- safetensors bytes (collective_rpc carries bytes natively; raw tensors would arrive as lists);
+- a folder of safetensors files (the `checkpoint` transport);
+- a shared-memory segment of packed buckets (the `shm` transport);
+- a gloo group with the trainer (the `gloo` transport).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from typing import Any
+
 
 class WorkerExtension:
     """Methods added to vLLM's worker; `self` is the worker."""
+
+    _rollflow_group: Any = None
+
+    def _rollflow_reload(self, weights) -> None:
+        self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
 
     def rollflow_load_safetensors(self, data: bytes) -> int:
         """Load named tensors serialised with safetensors; returns how many were loaded."""
         from safetensors.torch import load
 
         tensors = load(data)
-        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        self._rollflow_reload(iter(tensors.items()))
         return len(tensors)
 
     def rollflow_load_path(self, path: str) -> int:
-        """Load every `*.safetensors` file in a folder."""
+        """Load every `*.safetensors` file in a folder, one file at a time."""
         from pathlib import Path
 
         from safetensors.torch import load_file
@@ -36,5 +49,47 @@ class WorkerExtension:
             for file in files:
                 yield from load_file(file).items()
 
-        self.reload_weights(weights_iterator=weights())  # type: ignore[attr-defined]
+        self._rollflow_reload(weights())
         return len(files)
+
+    def rollflow_shm_load(self, name: str, plan: bytes) -> int:
+        """Load packed buckets from a shared-memory segment, as views into it."""
+        from rollflow.weight_sync.buckets import BucketPlan
+        from rollflow.weight_sync.shm import read_buckets
+
+        decoded = BucketPlan.decode(plan)
+        segment, views = read_buckets(name, decoded)
+        try:
+            self._rollflow_reload(views)
+        finally:
+            del views
+            gc.collect()  # release every view before unmapping
+            # If a view is still referenced somewhere, the mapping goes with the process.
+            with contextlib.suppress(BufferError):
+                segment.close()
+        return decoded.total_bytes
+
+    def rollflow_gloo_join(self, host: str, port: int, timeout_s: float) -> bool:
+        """Join the two-process gloo weight group as rank 1 (blocks until rank 0 is there)."""
+        from rollflow.weight_sync.gloo import join
+
+        self._rollflow_group = join(host, port, 1, timeout_s)
+        return True
+
+    def rollflow_gloo_receive(self) -> int:
+        """Receive one full set of weights over the gloo group, then load it."""
+        from rollflow.weight_sync.gloo import receive_buckets
+
+        if self._rollflow_group is None:
+            raise RuntimeError("rollflow_gloo_receive before rollflow_gloo_join")
+        try:
+            plan, views = receive_buckets(self._rollflow_group)
+        except Exception:
+            self._rollflow_group = None  # the group is unusable after a failed collective
+            raise
+        self._rollflow_reload(views)
+        return plan.total_bytes
+
+    def rollflow_gloo_leave(self) -> bool:
+        self._rollflow_group = None
+        return True

@@ -1,0 +1,112 @@
+"""The `gloo` transport: trainer rank 0 broadcasts packed buckets to the vLLM worker.
+
+The two ends form their own two-process gloo group (a TCPStore served by the trainer side,
+bound to 127.0.0.1 unless told otherwise), separate from the trainers' group. Each sync sends
+the bucket plan (length, then msgpack bytes) and then every bucket. The group's timeout bounds
+every blocking call, so a dead or stalled peer is an error, never a hang.
+
+`GlooSender` runs on the trainer side (blocking; call it from a thread). `receive_buckets` runs
+inside vLLM's worker (through the worker extension). This module does not pause the engine or
+bump versions; the critical section in the engine adapter does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollflow.weight_sync.buckets import BucketPlan, pack, unpack
+
+PREFIX = "rollflow-weights"
+"""Key prefix in the rendezvous store, so the group cannot collide with others on it."""
+
+
+def _options(host: str, timeout_s: float) -> Any:
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timedelta(seconds=timeout_s)
+    # Bind to the rendezvous host's interface (loopback by default), not the hostname's.
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return options
+
+
+def join(host: str, port: int, rank: int, timeout_s: float, store: dist.TCPStore | None = None) -> dist.ProcessGroup:
+    """Join the two-process weight group as `rank` (0 = trainer side, 1 = engine side)."""
+    if store is None:
+        store = dist.TCPStore(host, port, 2, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.ProcessGroupGloo(dist.PrefixStore(PREFIX, store), rank, 2, _options(host, timeout_s))  # type: ignore[return-value]
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    group.broadcast([tensor], opts).wait()
+
+
+class GlooSender:
+    """The trainer end: serves the rendezvous, then sends plans and buckets (blocking calls)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0) -> None:
+        self.host = host
+        self.timeout_s = timeout_s
+        self._store = dist.TCPStore(
+            host, port, 2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self.port = self._store.port
+        self._group: dist.ProcessGroup | None = None
+
+    def connect(self) -> None:
+        """Block until the engine side has joined (it must be asked to join concurrently)."""
+        self._group = join(self.host, self.port, 0, self.timeout_s, store=self._store)
+
+    def send(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Send one full set of weights; returns bytes sent."""
+        if self._group is None:
+            raise RuntimeError("GlooSender.send before connect()")
+        encoded = torch.frombuffer(bytearray(plan.encode()), dtype=torch.uint8)
+        _broadcast(self._group, torch.tensor([encoded.numel()], dtype=torch.int64))
+        _broadcast(self._group, encoded)
+        sent = 0
+        for _, buffer in pack(plan, tensors):
+            _broadcast(self._group, buffer)
+            sent += buffer.numel()
+        return sent
+
+    def send_per_tensor(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Unpacked baseline for benchmarks: one broadcast per tensor."""
+        if self._group is None:
+            raise RuntimeError("GlooSender.send_per_tensor before connect()")
+        sent = 0
+        for _, tensor in tensors:
+            flat = tensor.detach().contiguous().reshape(-1)
+            _broadcast(self._group, flat)
+            sent += flat.numel() * flat.element_size()
+        return sent
+
+    def close(self) -> None:
+        self._group = None
+
+
+def receive_buckets(group: dist.ProcessGroup) -> tuple[BucketPlan, Iterator[tuple[str, torch.Tensor]]]:
+    """The engine end of one sync: the plan, and named views into the received buckets.
+
+    Every bucket is received before the first view is handed out, so a transfer that fails
+    (peer died, timeout) never touches the model: the engine keeps its old weights. The price
+    is one model-sized receive buffer on the engine host.
+    """
+    size = torch.zeros(1, dtype=torch.int64)
+    _broadcast(group, size)
+    encoded = torch.empty(int(size.item()), dtype=torch.uint8)
+    _broadcast(group, encoded)
+    plan = BucketPlan.decode(encoded.numpy().tobytes())
+    buffers = []
+    for bucket_size in plan.bucket_sizes:
+        buffer = torch.empty(bucket_size, dtype=torch.uint8)
+        _broadcast(group, buffer)
+        buffers.append(buffer)
+    views = (view for index, buffer in enumerate(buffers) for view in unpack(plan, index, buffer))
+    return plan, views

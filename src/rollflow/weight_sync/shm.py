@@ -1,0 +1,105 @@
+"""The `shm` transport: same host, buckets written into shared memory, loaded from it in place.
+
+The trainer side writes every bucket into one POSIX shared-memory segment (created once,
+reused while the model size is unchanged); the engine side maps the segment and hands the
+loader views into it, so no socket and no extra copy sit between the two. The sender finishes
+writing before the engine is asked to load, so a sender that dies mid-write leaves the engine's
+weights untouched. This module does not pause the engine or bump versions.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Iterator
+from multiprocessing import shared_memory
+
+import torch
+
+from rollflow.weight_sync.buckets import BucketPlan, pack, unpack
+
+
+def _untrack(segment: shared_memory.SharedMemory) -> None:
+    """Keep Python's resource tracker from unlinking a segment another process owns."""
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+
+
+class ShmSender:
+    """The trainer end: owns the segment; `write` lays out one full set of weights in it."""
+
+    def __init__(self) -> None:
+        self._segment: shared_memory.SharedMemory | None = None
+
+    @property
+    def name(self) -> str:
+        if self._segment is None:
+            raise RuntimeError("nothing written yet")
+        return self._segment.name
+
+    def write(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write all buckets back to back into the segment; returns bytes written."""
+        total = plan.total_bytes
+        if self._segment is None or self._segment.size < total:
+            self.close()
+            self._segment = shared_memory.SharedMemory(
+                name=f"rollflow-{secrets.token_hex(6)}", create=True, size=max(total, 1)
+            )
+        memory = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=total)
+        starts = _starts(plan)
+        for index, buffer in pack(plan, tensors):
+            memory[starts[index] : starts[index] + buffer.numel()].copy_(buffer)
+        del memory
+        return total
+
+    def write_direct(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Like `write`, but copies each tensor straight into the segment (no bucket buffer)."""
+        total = plan.total_bytes
+        if self._segment is None or self._segment.size < total:
+            self.close()
+            self._segment = shared_memory.SharedMemory(
+                name=f"rollflow-{secrets.token_hex(6)}", create=True, size=max(total, 1)
+            )
+        memory = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=total)
+        starts = _starts(plan)
+        for meta, (name, tensor) in zip(plan.tensors, tensors, strict=True):
+            if meta.name != name:
+                raise ValueError(f"tensor {name!r} is not the next one in the bucket plan ({meta.name!r})")
+            at = starts[meta.bucket] + meta.offset
+            memory[at : at + meta.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        del memory
+        return total
+
+    def close(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment.unlink()
+            self._segment = None
+
+
+def _starts(plan: BucketPlan) -> list[int]:
+    starts, at = [], 0
+    for size in plan.bucket_sizes:
+        starts.append(at)
+        at += size
+    return starts
+
+
+def read_buckets(name: str, plan: BucketPlan) -> tuple[shared_memory.SharedMemory, Iterator[tuple[str, torch.Tensor]]]:
+    """The engine end: map the segment and yield named views into it, bucket by bucket.
+
+    The caller closes the returned segment handle after loading.
+    """
+    segment = shared_memory.SharedMemory(name=name, create=False)
+    _untrack(segment)
+    memory = torch.frombuffer(segment.buf, dtype=torch.uint8, count=plan.total_bytes)
+    starts = _starts(plan)
+
+    def views() -> Iterator[tuple[str, torch.Tensor]]:
+        for index, size in enumerate(plan.bucket_sizes):
+            yield from unpack(plan, index, memory[starts[index] : starts[index] + size])
+
+    return segment, views()

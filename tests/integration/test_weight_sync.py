@@ -1,0 +1,183 @@
+"""Weight sync into the live vLLM engine: every CPU transport, live streams, stale KV, dead peers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollflow.errors import WeightSyncError
+from rollflow.records import SamplingSpec
+from rollflow.weight_sync import make_transport, plan_for, sync_weights
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [1, 735, 202, 276, 261, 264, 277, 281, 34, 2, 202, 1, 871, 202]
+GREEDY = SamplingSpec(temperature=0.0, max_tokens=20, ignore_eos=True)
+HERE = Path(__file__).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def greedy(engine, prompt=PROMPT, tag="g") -> list[int]:
+    out = await engine.generate(prompt, GREEDY, f"{tag}-{time.monotonic_ns()}")
+    return out.token_ids
+
+
+@pytest.mark.parametrize("name", ["gloo", "shm", "checkpoint"])
+async def test_transport_switches_weights_a_b_a(engine_on_a, model_a, model_b, name):
+    engine = engine_on_a
+    transport = make_transport(name)
+    try:
+        want_a, want_b = model_a.greedy(PROMPT, 20)[0], model_b.greedy(PROMPT, 20)[0]
+        for state, want in ((model_b.state_dict(), want_b), (model_a.state_dict(), want_a),
+                            (model_b.state_dict(), want_b)):
+            before = engine.version
+            # Small buckets so even the tiny model spans several of them.
+            plan = plan_for(state, bucket_bytes=128 * 1024)
+            assert len(plan.bucket_sizes) > 3
+            assert await sync_weights(engine, transport, plan, state.items()) == before + 1
+            assert await greedy(engine) == want
+    finally:
+        await transport.aclose()
+
+
+async def test_sync_during_a_live_stream_switches_versions_at_the_boundary(engine_on_a, model_a, model_b):
+    from rollflow.records import Prompt
+    from rollflow.rollout import rollout
+
+    engine = engine_on_a
+    transport = make_transport("gloo")
+    spec = SamplingSpec(temperature=0.0, max_tokens=64, ignore_eos=True)
+    v = engine.version
+    try:
+        await transport.connect(engine)
+        task = asyncio.create_task(rollout(engine, Prompt(id="live", token_ids=PROMPT), spec, group_id="live", index=0))
+        while engine.num_live == 0:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        state = model_b.state_dict()
+        await sync_weights(engine, transport, plan_for(state), state.items())
+        sample = await task
+    finally:
+        await transport.aclose()
+    k = sample.versions.index(v + 1)
+    assert 0 < k < 64 and sample.versions == [v] * k + [v + 1] * (64 - k)
+    assert sample.completion_token_ids[:k] == model_a.greedy(PROMPT, k)[0]
+    assert sample.completion_token_ids[k:] == model_b.greedy(PROMPT + sample.completion_token_ids[:k], 64 - k)[0]
+
+
+async def test_stale_prefix_cache_bug_appears_without_both_guards(engine_on_a, model_a, model_b):
+    """A prompt longer than a KV block, cached under A, then B loaded: without a prefix-cache
+    reset and without version salting, B reuses A's KV and generates something else."""
+    engine = engine_on_a
+    long_prompt = (PROMPT * 30)[:400]
+    want_b = model_b.greedy(long_prompt, 20)[0]
+    results = {}
+    try:
+        for salt, reset in ((False, False), (True, False), (False, True)):
+            engine.salt_prefix_cache, engine.reset_prefix_cache_on_update = salt, reset
+            await engine.update_weights(model_a.state_dict())
+            await greedy(engine, long_prompt, "warm")  # caches the prompt's blocks under A
+            await engine.update_weights(model_b.state_dict())
+            results[(salt, reset)] = await greedy(engine, long_prompt, "after")
+    finally:
+        engine.salt_prefix_cache = engine.reset_prefix_cache_on_update = True
+    assert results[(False, False)] != want_b  # the bug, reproduced
+    assert results[(True, False)] == want_b  # salting alone prevents it
+    assert results[(False, True)] == want_b  # the reset alone prevents it
+
+
+async def _start_receiving(engine, port: int):
+    """Join the sender's gloo group, then run a receive inside the critical section."""
+    return asyncio.create_task(
+        engine.update_weights_with(lambda: engine.rpc("rollflow_gloo_receive"), deadline_s=30)
+    )
+
+
+@pytest.mark.parametrize("fault", ["killed", "stalled"])
+async def test_dead_or_stalled_sender_fails_within_deadline_and_engine_keeps_old_weights(
+    engine_on_a, model_a, fault
+):
+    engine = engine_on_a
+    want_a = model_a.greedy(PROMPT, 20)[0]
+    version = engine.version
+    port = free_port()
+    sender = subprocess.Popen(
+        [sys.executable, str(HERE / "weight_sender.py"), "slow", str(port), str(64 * 1024), "0.2", "3"],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    try:
+        await engine.rpc("rollflow_gloo_join", "127.0.0.1", port, 10.0)
+        began = time.monotonic()
+        update = await _start_receiving(engine, port)
+        line = await asyncio.to_thread(sender.stdout.readline)
+        assert line.startswith("connected")
+        assert (await asyncio.to_thread(sender.stdout.readline)).startswith("bucket")  # mid-transfer
+        if fault == "killed":
+            sender.kill()
+        with pytest.raises(WeightSyncError) as info:
+            await update
+        elapsed = time.monotonic() - began
+    finally:
+        sender.kill()
+        sender.wait()
+    assert elapsed < 30
+    assert f"the engine keeps version {version}" in str(info.value)
+    assert engine.version == version
+    assert await greedy(engine) == want_a  # old weights, still serving
+
+
+async def test_two_fsdp2_ranks_sync_into_the_engine(engine_on_a, model_a, tmp_path):
+    """Two trainer ranks step under FSDP2, gather in lockstep, and rank 0 sends over gloo."""
+    import msgspec
+
+    from rollflow.models import tiny_model_path
+    from rollflow.trainer import Trainer
+
+    sys.path.insert(0, str(HERE.parent / "unit"))
+    from test_trainer import make_batch
+
+    engine = engine_on_a
+    port = free_port()
+    out_file, batch_file = tmp_path / "weights.pt", tmp_path / "batch.msgpack"
+    batch_file.write_bytes(msgspec.msgpack.encode(make_batch(Trainer(tiny_model_path(0)), n=4)))
+    ranks = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), str(HERE / "weight_sender.py"), "fsdp", str(port), str(out_file),
+         str(batch_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
+    )
+    try:
+        # Rank 0 serves the rendezvous once it has stepped; joining retries until it is up.
+        join = asyncio.create_task(engine.rpc("rollflow_gloo_join", "127.0.0.1", port, 60.0))
+        exited = asyncio.create_task(asyncio.to_thread(ranks.wait))
+        await asyncio.wait([join, exited], return_when=asyncio.FIRST_COMPLETED)
+        assert join.done(), f"trainer ranks exited early: {ranks.stderr.read()[-3000:]}"
+        version = await engine.update_weights_with(lambda: engine.rpc("rollflow_gloo_receive"), deadline_s=120)
+        _, stderr = await asyncio.to_thread(ranks.communicate, timeout=120)
+        assert ranks.returncode == 0, stderr[-3000:]
+    finally:
+        ranks.kill()
+        await exited
+    trained = torch.load(out_file)
+    model_a.model.load_state_dict(trained)  # the HF reference now holds the trained weights
+    try:
+        assert version == engine.version
+        assert await greedy(engine) == model_a.greedy(PROMPT, 20)[0]
+    finally:
+        from safetensors.torch import load_file
+
+        model_a.model.load_state_dict(load_file(tiny_model_path(0) / "model.safetensors"))
