@@ -23,6 +23,7 @@ class WorkerExtension:
     """Methods added to vLLM's worker; `self` is the worker."""
 
     _rollflow_group: Any = None
+    _rollflow_buffers: list[Any] | None = None
 
     def _rollflow_reload(self, weights) -> None:
         self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
@@ -82,8 +83,10 @@ class WorkerExtension:
 
         if self._rollflow_group is None:
             raise RuntimeError("rollflow_gloo_receive before rollflow_gloo_join")
+        if self._rollflow_buffers is None:
+            self._rollflow_buffers = []  # receive buffers, reused by later syncs of the same shapes
         try:
-            plan, views = receive_buckets(self._rollflow_group)
+            plan, views = receive_buckets(self._rollflow_group, self._rollflow_buffers)
         except Exception:
             self._rollflow_group = None  # the group is unusable after a failed collective
             raise
@@ -92,4 +95,5 @@ class WorkerExtension:
 
     def rollflow_gloo_leave(self) -> bool:
         self._rollflow_group = None
+        self._rollflow_buffers = None
         return True

@@ -58,6 +58,7 @@ class GlooSender:
         )
         self.port = self._store.port
         self._group: dist.ProcessGroup | None = None
+        self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def connect(self) -> None:
         """Block until the engine side has joined (it must be asked to join concurrently)."""
@@ -70,9 +71,12 @@ class GlooSender:
         encoded = torch.frombuffer(bytearray(plan.encode()), dtype=torch.uint8)
         _broadcast(self._group, torch.tensor([encoded.numel()], dtype=torch.int64))
         _broadcast(self._group, encoded)
+        largest = max(plan.bucket_sizes, default=0)
+        if self._scratch.numel() < largest:
+            self._scratch = torch.empty(largest, dtype=torch.uint8)
         sent = 0
-        for _, buffer in pack(plan, tensors):
-            _broadcast(self._group, buffer)
+        for _, buffer in pack(plan, tensors, self._scratch):
+            _broadcast(self._group, buffer)  # complete before the scratch is refilled
             sent += buffer.numel()
         return sent
 
@@ -91,22 +95,26 @@ class GlooSender:
         self._group = None
 
 
-def receive_buckets(group: dist.ProcessGroup) -> tuple[BucketPlan, Iterator[tuple[str, torch.Tensor]]]:
+def receive_buckets(
+    group: dist.ProcessGroup, buffers: list[torch.Tensor] | None = None
+) -> tuple[BucketPlan, Iterator[tuple[str, torch.Tensor]]]:
     """The engine end of one sync: the plan, and named views into the received buckets.
 
     Every bucket is received before the first view is handed out, so a transfer that fails
     (peer died, timeout) never touches the model: the engine keeps its old weights. The price
-    is one model-sized receive buffer on the engine host.
+    is one model-sized receive buffer on the engine host; pass the previous sync's `buffers`
+    (a list, refilled in place) to reuse it.
     """
     size = torch.zeros(1, dtype=torch.int64)
     _broadcast(group, size)
     encoded = torch.empty(int(size.item()), dtype=torch.uint8)
     _broadcast(group, encoded)
     plan = BucketPlan.decode(encoded.numpy().tobytes())
-    buffers = []
-    for bucket_size in plan.bucket_sizes:
-        buffer = torch.empty(bucket_size, dtype=torch.uint8)
+    if buffers is None:
+        buffers = []
+    if [b.numel() for b in buffers] != plan.bucket_sizes:
+        buffers[:] = [torch.empty(size, dtype=torch.uint8) for size in plan.bucket_sizes]
+    for buffer in buffers:
         _broadcast(group, buffer)
-        buffers.append(buffer)
     views = (view for index, buffer in enumerate(buffers) for view in unpack(plan, index, buffer))
     return plan, views

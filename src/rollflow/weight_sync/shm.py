@@ -88,13 +88,17 @@ def _starts(plan: BucketPlan) -> list[int]:
     return starts
 
 
-def read_buckets(name: str, plan: BucketPlan) -> tuple[shared_memory.SharedMemory, Iterator[tuple[str, torch.Tensor]]]:
+def read_buckets(
+    name: str, plan: BucketPlan, *, other_process: bool = True
+) -> tuple[shared_memory.SharedMemory, Iterator[tuple[str, torch.Tensor]]]:
     """The engine end: map the segment and yield named views into it, bucket by bucket.
 
-    The caller closes the returned segment handle after loading.
+    The caller closes the returned segment handle after loading. `other_process`: the segment
+    belongs to another process, whose exit (not ours) must unlink it.
     """
     segment = shared_memory.SharedMemory(name=name, create=False)
-    _untrack(segment)
+    if other_process:
+        _untrack(segment)
     memory = torch.frombuffer(segment.buf, dtype=torch.uint8, count=plan.total_bytes)
     starts = _starts(plan)
 
