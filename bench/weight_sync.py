@@ -89,8 +89,8 @@ def main() -> None:
         plan = plan_buckets((n, t.dtype, tuple(t.shape)) for n, t in tensors)
         per, packed = [], []
         for _ in range(args.repeats):
-            per.append(timed(lambda: (sender.send_per_tensor(tensors), done(group))))
-            packed.append(timed(lambda: (sender.send(plan, tensors), done(group))))
+            per.append(timed(lambda t=tensors: (sender.send_per_tensor(t), done(group))))
+            packed.append(timed(lambda p=plan, t=tensors: (sender.send(p, t), done(group))))
         results[name] = {"per": min(per), "packed": min(packed), "bytes": nbytes}
         rows.append((f"gloo per-tensor, {name} ({len(tensors)} tensors)", nbytes, min(per)))
         rows.append((f"gloo packed, {name}", nbytes, min(packed)))
@@ -104,8 +104,8 @@ def main() -> None:
         shm.write_direct(plan, tensors)  # first write faults the segment's pages in
         write = min(timed(lambda: shm.write_direct(plan, tensors)) for _ in range(args.repeats))
         segment, views = read_buckets(shm.name, plan, other_process=False)
-        read = timed(lambda: [v.sum() for _, v in views])
-        del views
+        read = timed(lambda v=views: [t.sum() for _, t in v])
+        del views, segment
     finally:
         shm.close()
     dest = [torch.empty_like(t) for _, t in tensors]
