@@ -63,6 +63,16 @@ class EngineConfig(_Section, frozen=True):
     start_timeout_s: NonNegFloat = 300.0
     """Seconds to wait for the engine to start before giving up with an error."""
 
+    max_loras: NonNegInt = 0
+    """LoRA adapters the engine holds at once; 0 serves the base weights only. For adapter-only
+    sync it must cover every adapter still in use by in-flight requests: max_lag + 2."""
+
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256] = 16
+    """Largest adapter rank the engine accepts."""
+
+    weight_transfer: Literal["", "nccl"] = ""
+    """Start vLLM's NCCL weight-transfer engine (GPU machines, `nccl` weight transport)."""
+
     update_deadline_s: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
     """Deadline of a whole weight update (pause, transfer, load, resume); past it the update
     fails with an error naming the stage and the engine keeps its weights and version."""

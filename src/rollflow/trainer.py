@@ -414,6 +414,13 @@ class Trainer:
 
         return {k: _full(v) for k, v in get_peft_model_state_dict(self.lm).items()}
 
+    def adapter_config(self) -> dict[str, Any]:
+        """The peft adapter config as JSON-ready data (what `adapter_config.json` holds)."""
+        import json
+
+        config: Any = self.lm.peft_config["default"]  # type: ignore[index]
+        return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
     def _merged_lora_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         from peft.tuners.lora import LoraLayer
 

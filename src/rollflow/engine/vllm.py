@@ -88,6 +88,10 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._aborted: set[str] = set()
         self._live: set[str] = set()
+        self._adapters: dict[int, Any] = {}
+        """Loaded LoRA adapters by version (adapter-only sync); version 0 is the base model."""
+        self._adapter_users: dict[int, int] = {}
+        self._adapter_dir: Path | None = None
         self.salt_prefix_cache = True
         """Salt prefix-cache keys with the version (tests turn this off to show the stale-KV bug)."""
         self.reset_prefix_cache_on_update = True
@@ -108,6 +112,16 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        lora: dict[str, Any] = {}  # optional engine arguments
+        if self.config.max_loras:
+            lora = {
+                "enable_lora": True,
+                "max_loras": self.config.max_loras,
+                "max_cpu_loras": self.config.max_loras,
+                "max_lora_rank": self.config.max_lora_rank,
+            }
+        if self.config.weight_transfer:
+            lora["weight_transfer_config"] = {"backend": self.config.weight_transfer}
         args = AsyncEngineArgs(
             model=self.model_path,
             dtype=self.dtype,  # type: ignore[arg-type]
@@ -120,6 +134,7 @@ class VLLMEngine:
             enable_prefix_caching=True,
             disable_log_stats=True,
             enable_log_requests=False,
+            **lora,
         )
         began = time.monotonic()
         log.info("starting vLLM engine for %s", self.model_path)
@@ -166,10 +181,16 @@ class VLLMEngine:
         prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
         if self.salt_prefix_cache:
             prompt["cache_salt"] = f"v{self._version}"
+        # With adapter-only sync a request keeps the adapter it started with to the end, so all
+        # its tokens carry that adapter's version.
+        adapter_version = self._version if self._adapters else None
+        lora = self._adapters.get(adapter_version) if adapter_version is not None else None
+        if adapter_version is not None:
+            self._adapter_users[adapter_version] = self._adapter_users.get(adapter_version, 0) + 1
         self._live.add(request_id)
         produced = 0
         try:
-            async for out in llm.generate(prompt, _sampling_params(sampling), request_id):
+            async for out in llm.generate(prompt, _sampling_params(sampling), request_id, lora_request=lora):
                 completion = out.outputs[0]
                 tokens = list(completion.token_ids)
                 produced += len(tokens)
@@ -180,8 +201,11 @@ class VLLMEngine:
                 if completion.finish_reason is None:
                     yield EngineOutput(tokens, logprobs)
                     continue
-                spans = completion.weight_versions or []
-                versions = spans_to_versions(((int(s.version), s.start, s.end) for s in spans), produced)
+                if adapter_version is not None:
+                    versions = [adapter_version] * produced
+                else:
+                    spans = completion.weight_versions or []
+                    versions = spans_to_versions(((int(s.version), s.start, s.end) for s in spans), produced)
                 reason = completion.finish_reason
                 if reason == "abort" and request_id not in self._aborted:
                     reason = "preempted"  # only a weight update aborts what the caller did not
@@ -191,6 +215,8 @@ class VLLMEngine:
         finally:
             self._live.discard(request_id)
             self._aborted.discard(request_id)
+            if adapter_version is not None:
+                self._adapter_users[adapter_version] -= 1
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._live:
@@ -286,6 +312,66 @@ class VLLMEngine:
                         ) from None
         return self._version
 
+    async def update_adapter(
+        self, tensors: dict[str, Any], adapter_config: dict[str, Any], *, partial: PartialMode = "keep"
+    ) -> int:
+        """Adapter-only sync: load a LoRA adapter as the next version; returns it.
+
+        New requests use the newest adapter. In `keep` mode in-flight requests finish on the
+        adapter they started with (their tokens keep its version); in `resume` / `restart` mode
+        they are preempted and resubmitted on the new one. Adapters no request uses any more are
+        unloaded. The adapter travels through a RAM-backed folder (vLLM loads adapters by path).
+        """
+        import json
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if not self.config.max_loras:
+            raise WeightSyncError("adapter sync needs a LoRA-enabled engine: set engine.max_loras > 0")
+        async with self._update_lock:
+            version = self._version + 1
+            if self._adapter_dir is None:
+                import tempfile
+
+                shm = Path("/dev/shm")
+                self._adapter_dir = Path(tempfile.mkdtemp(prefix="rollflow-lora-", dir=shm if shm.is_dir() else None))
+            folder = self._adapter_dir / f"v{version}"
+            folder.mkdir()
+            state = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+            save_file(state, folder / "adapter_model.safetensors")
+            (folder / "adapter_config.json").write_text(json.dumps(adapter_config))
+            request = LoRARequest(lora_name=f"rollflow-v{version}", lora_int_id=version, lora_path=str(folder))
+            try:
+                async with asyncio.timeout(self.config.update_deadline_s):
+                    await self.llm.add_lora(request)
+            except Exception as err:
+                raise WeightSyncError(f"adapter version {version} failed to load: {err}") from err
+            self._adapters[version] = request
+            self._adapter_users.setdefault(version, 0)
+            self._version = version
+            if partial != "keep":
+                for request_id in list(self._live):
+                    await self.llm.abort(request_id)  # not user aborts: they come back as preempted
+        await self.collect_adapters()
+        return version
+
+    async def collect_adapters(self) -> None:
+        """Unload adapters that are neither the newest nor used by an in-flight request."""
+        import shutil
+
+        for version, request in list(self._adapters.items()):
+            if version != self._version and self._adapter_users.get(version, 0) == 0:
+                await self.llm.remove_lora(request.lora_int_id)
+                del self._adapters[version]
+                self._adapter_users.pop(version, None)
+                shutil.rmtree(request.lora_path, ignore_errors=True)
+
+    @property
+    def loaded_adapters(self) -> list[int]:
+        """Versions of the LoRA adapters currently loaded."""
+        return sorted(self._adapters)
+
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
         """Convenience: the whole completion as one output."""
         tokens: list[int] = []
@@ -310,3 +396,7 @@ class VLLMEngine:
             handler.cancel()
             await asyncio.gather(handler, return_exceptions=True)
         await asyncio.to_thread(llm.shutdown)
+        if self._adapter_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)

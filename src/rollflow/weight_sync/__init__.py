@@ -154,8 +154,10 @@ def make_transport(name: TransportName, *, host: str = "127.0.0.1", timeout_s: f
     raise ValueError(f"unknown weight transport {name!r}; expected gloo, shm or checkpoint")
 
 
-def plan_for(tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
-             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> BucketPlan:
+def plan_for(
+    tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> BucketPlan:
     """A bucket plan from a state dict, or from (name, dtype, shape) triples."""
     if isinstance(tensors, dict):
         return plan_buckets(((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()), bucket_bytes)

@@ -1,0 +1,73 @@
+"""The GPU-only nccl transport's plumbing, checked on CPU against vLLM's own types."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rollflow.weight_sync.buckets import plan_buckets
+from rollflow.weight_sync.nccl import EngineClient, check_update_info, plan_source, worker_init_payload
+
+pytest.importorskip("vllm")
+
+TENSORS = [("model.embed.weight", torch.zeros(10, 4)), ("lm_head.weight", torch.zeros(10, 4, dtype=torch.bfloat16))]
+
+
+def test_update_payload_and_source_agree_with_the_plan():
+    plan = plan_buckets((n, t.dtype, tuple(t.shape)) for n, t in TENSORS)
+    info = check_update_info(plan)  # vLLM's dataclass validates list lengths
+    assert info.names == ["model.embed.weight", "lm_head.weight"]
+    assert info.dtype_names == ["float32", "bfloat16"]
+    assert info.shapes == [[10, 4], [10, 4]]
+    source = plan_source(plan, TENSORS)
+    meta = source.metadata()
+    assert [(m.name, m.dtype, m.shape) for m in meta] == [(n, t.dtype, tuple(t.shape)) for n, t in TENSORS]
+    assert [n for n, _ in source] == [n for n, _ in TENSORS]
+
+
+def test_worker_init_payload_is_what_vllm_accepts():
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+    payload = worker_init_payload("127.0.0.1", 29600, 2, 1 << 20)
+    assert payload["rank_offset"] == 1 and payload["world_size"] == 3 and payload["packed"] is True
+    assert NCCLWeightTransferInitInfo(**payload).nccl_unique_id_bytes is None  # TCP rendezvous mode
+
+
+class RecordingLLM:
+    """Stands in for AsyncLLM's weight-transfer methods (the engine side of the protocol)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    async def init_weight_transfer_engine(self, request):
+        self.calls.append(("init", request.init_info))
+
+    async def start_weight_update(self):
+        self.calls.append(("start", None))
+
+    async def update_weights(self, request):
+        self.calls.append(("update", request.update_info))
+
+    async def finish_weight_update(self, weight_version=None):
+        self.calls.append(("finish", weight_version))
+
+    async def shutdown_weight_transfer_engine(self):
+        self.calls.append(("shutdown", None))
+
+
+@pytest.mark.timeout(30)
+async def test_engine_client_runs_vllm_calls_on_the_loop_from_a_thread():
+    llm = RecordingLLM()
+    client = EngineClient(llm, asyncio.get_running_loop())
+
+    def trainer_side():
+        client.init_weight_transfer_engine({"rank_offset": 1})
+        client.start_weight_update()
+        client.update_weights({"names": ["a"]})
+        client.finish_weight_update("7")
+
+    await asyncio.to_thread(trainer_side)
+    assert llm.calls == [("init", {"rank_offset": 1}), ("start", None), ("update", {"names": ["a"]}),
+                         ("finish", None)]  # the version label is rollflow's, set after the load
