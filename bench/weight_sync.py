@@ -103,7 +103,7 @@ def main() -> None:
     try:
         shm.write_direct(plan, tensors)  # first write faults the segment's pages in
         write = min(timed(lambda: shm.write_direct(plan, tensors)) for _ in range(args.repeats))
-        segment, views = read_buckets(shm.name, plan, other_process=False)
+        segment, views = read_buckets(shm.name, plan)
         read = timed(lambda v=views: [t.sum() for _, t in v])
         del views, segment
     finally:

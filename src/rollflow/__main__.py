@@ -1,6 +1,7 @@
 """`python -m rollflow <command>`: the command line.
 
-Commands: `generate` (sample and score completions from the configured model and task).
+Commands: `train` (asynchronous GRPO training) and `generate` (sample and score completions
+from the configured model and task).
 User errors (config, data, model path, arguments) print one line naming what is wrong and
 exit with code 2, without a traceback. This module parses arguments and prints; the work
 happens in the library.
@@ -44,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m rollflow", description="Asynchronous RL post-training for language models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (vLLM too)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = commands.add_parser("train", help="run asynchronous GRPO training")
+    _add_config_args(train)
+    train.add_argument("--max-steps", type=int, default=None, help="override run.max_steps")
+    train.add_argument(
+        "--output-dir", type=Path, required=True, help="where config.toml, metrics.jsonl, ledger.jsonl go"
+    )
     gen = commands.add_parser("generate", help="sample completions for task prompts and score them")
     _add_config_args(gen)
     gen.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
@@ -103,6 +110,31 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _train(args: argparse.Namespace) -> int:
+    from rollflow.config import load_config
+    from rollflow.controller import train
+
+    overrides = list(args.overrides)
+    if args.max_steps is not None:
+        if args.max_steps <= 0:
+            raise UserInputError(f"--max-steps: expected a positive number, got {args.max_steps}")
+        overrides.append(f"run.max_steps={args.max_steps}")
+    config = load_config(args.config, preset=args.preset, overrides=overrides)
+    result = await train(config, args.output_dir)
+    first, last = result.metrics[0], result.metrics[-1]
+    print(
+        f"steps={result.steps} wall_s={result.wall_s:.0f} reward_first={first['reward_mean']:.3f} "
+        f"reward_last={last['reward_mean']:.3f} trained_prompts={result.trained_prompts} "
+        f"dropped={sum(result.dropped.values())} output_dir={args.output_dir}"
+    )
+    if result.eval_before is not None and result.eval_after is not None:
+        print(
+            f"held-out accuracy ({result.eval_before.prompts} prompts, greedy): "
+            f"before={result.eval_before.accuracy:.3f} after={result.eval_after.accuracy:.3f}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -113,8 +145,13 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     try:
+        from rollflow.controller import uvloop_policy_installed
+
+        uvloop_policy_installed()
         if args.command == "generate":
             return asyncio.run(_generate(args))
+        if args.command == "train":
+            return asyncio.run(_train(args))
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

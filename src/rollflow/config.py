@@ -213,6 +213,35 @@ class LossConfig(_Section, frozen=True):
     """Divide `grpo` advantages by the group's reward std."""
 
 
+class RunConfig(_Section, frozen=True):
+    max_steps: PosInt = 10
+    """Optimizer steps to run."""
+
+    groups_per_step: PosInt = 4
+    """GRPO groups (prompts) per optimizer step; samples per step = groups_per_step × group_size."""
+
+    max_lag: NonNegInt = 1
+    """Staleness bound: no token in a batch lags more than this many versions behind the policy
+    being trained (0 = synchronous on-policy training)."""
+
+    weight_transport: Literal["shm", "gloo", "checkpoint", "nccl"] = "shm"
+    """How trainer weights reach the engine after every step (`shm`: same host, shared memory;
+    `gloo`: a dedicated process group; `checkpoint`: safetensors files; `nccl`: GPU)."""
+
+    reward: Literal["verifier", "digits"] = "verifier"
+    """`verifier`: the task's answer checker; `digits`: fraction of digit characters (a trivially
+    learnable reward for smoke tests)."""
+
+    eval_prompts: NonNegInt = 0
+    """Held-out prompts scored greedily before the first and after the last step (0 = skip)."""
+
+    eval_seed: int = 1_000_003
+    """Seed of the held-out prompts (different from `data.seed`)."""
+
+    trainer_threads: PosInt = 1
+    """Torch threads of the trainer (one per process keeps 2-core machines from thrashing)."""
+
+
 class Config(_Section, frozen=True):
     model: ModelConfig = ModelConfig()
     """The policy model."""
@@ -235,12 +264,17 @@ class Config(_Section, frozen=True):
     loss: LossConfig = LossConfig()
     """The policy loss and advantages."""
 
+    run: RunConfig = RunConfig()
+    """The training run: steps, batch, staleness bound, weight transport, reward."""
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "model": {"path": "tiny"},
         "sampling": {"max_tokens": 16},
         "rollout": {"group_size": 4},
+        "trainer": {"lr": 3e-3},
+        "run": {"max_steps": 20, "groups_per_step": 4, "max_lag": 1, "reward": "digits"},
     },
     "default": {
         "model": {"path": "smollm2-135m-instruct"},

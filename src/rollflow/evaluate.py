@@ -55,8 +55,10 @@ async def evaluate(
     decode: Callable[[list[int]], str],
     on_sample: Callable[[Sample], None] | None = None,
     num_examples: int = 3,
+    score: Callable[[Prompt, str], float | None] | None = None,
 ) -> EvalReport:
-    """Generate `samples_per_prompt` completions per prompt concurrently and score them."""
+    """Generate `samples_per_prompt` completions per prompt concurrently and score them
+    (with the task verifier, or `score`)."""
     began = time.monotonic()
 
     async def one(prompt: Prompt, index: int) -> tuple[Prompt, Sample]:
@@ -74,7 +76,10 @@ async def evaluate(
     tokens = 0
     for prompt, sample in results:
         text = decode(sample.completion_token_ids)
-        reward = verify(prompt.task, text, prompt.answer, prompt.metadata)
+        if score is None:
+            reward = verify(prompt.task, text, prompt.answer, prompt.metadata)
+        else:
+            reward = score(prompt, text) or 0.0  # an unscorable eval sample counts as not correct
         rewards.setdefault(prompt.id, []).append(reward)
         tokens += sample.num_tokens
         if len(examples) < num_examples:

@@ -22,11 +22,15 @@ class Step(msgspec.Struct, frozen=True, tag="step"):
     batch: TrainBatch
 
 
+class Sync(msgspec.Struct, frozen=True, tag="sync"):
+    """Gather full weights in lockstep (rank 0 sends them to the engine)."""
+
+
 class Stop(msgspec.Struct, frozen=True, tag="stop"):
     """Leave the follower loop."""
 
 
-Message = Step | Stop
+Message = Step | Sync | Stop
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from rollflow.engine import EngineOutput, PartialMode, Weights
 from rollflow.records import SamplingSpec
@@ -26,6 +26,10 @@ def fake_token(context: list[int], version: int, vocab: int) -> tuple[int, float
     digest = hashlib.blake2b(repr((context, version)).encode(), digest_size=8).digest()
     value = int.from_bytes(digest, "little")
     return 1 + value % (vocab - 1), -((value >> 20) % 1000) / 100.0
+
+
+async def _nothing() -> None:
+    return None
 
 
 class FakeEngine:
@@ -50,6 +54,7 @@ class FakeEngine:
         self._live: set[str] = set()
         self._lock = asyncio.Lock()
         self.tokens_generated = 0
+        self.updates = 0
 
     @property
     def version(self) -> int:
@@ -114,11 +119,22 @@ class FakeEngine:
     async def resume(self) -> None:
         self._running.set()
 
+    async def start(self) -> FakeEngine:
+        return self
+
     async def update_weights(self, weights: Weights, *, partial: PartialMode = "keep") -> int:
+        return await self.update_weights_with(_nothing, partial=partial)
+
+    async def update_weights_with(
+        self, load: Callable[[], Awaitable[object]], *, partial: PartialMode = "keep", deadline_s: float | None = None
+    ) -> int:
+        """The same critical section as the real engine: pause, load, bump, resume."""
         async with self._lock:
             await self.pause(keep=partial == "keep")
             try:
+                await load()
                 self._version += 1
+                self.updates += 1
             finally:
                 await self.resume()
             return self._version

@@ -66,7 +66,7 @@ class WorkerExtension:
             del views
             gc.collect()  # release every view before unmapping
             # If a view is still referenced somewhere, the mapping goes with the process.
-            with contextlib.suppress(BufferError):
+            with contextlib.suppress(BufferError, ValueError):
                 segment.close()
         return decoded.total_bytes
 

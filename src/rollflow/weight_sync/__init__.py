@@ -32,7 +32,7 @@ from rollflow.weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, plan_
 from rollflow.weight_sync.gloo import GlooSender
 from rollflow.weight_sync.shm import ShmSender
 
-TransportName = Literal["gloo", "shm", "checkpoint"]
+TransportName = Literal["gloo", "shm", "checkpoint", "nccl"]
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -151,7 +151,11 @@ def make_transport(name: TransportName, *, host: str = "127.0.0.1", timeout_s: f
         return ShmTransport()
     if name == "checkpoint":
         return CheckpointTransport()
-    raise ValueError(f"unknown weight transport {name!r}; expected gloo, shm or checkpoint")
+    if name == "nccl":
+        from rollflow.weight_sync.nccl import NcclTransport
+
+        return NcclTransport(host=host)
+    raise ValueError(f"unknown weight transport {name!r}; expected gloo, shm, checkpoint or nccl")
 
 
 def plan_for(

@@ -9,6 +9,7 @@ weights untouched. This module does not pause the engine or bump versions.
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Iterable, Iterator
 from multiprocessing import shared_memory
@@ -16,16 +17,6 @@ from multiprocessing import shared_memory
 import torch
 
 from rollflow.weight_sync.buckets import BucketPlan, pack, unpack
-
-
-def _untrack(segment: shared_memory.SharedMemory) -> None:
-    """Keep Python's resource tracker from unlinking a segment another process owns."""
-    try:
-        from multiprocessing import resource_tracker
-
-        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:
-        pass
 
 
 class ShmSender:
@@ -88,17 +79,31 @@ def _starts(plan: BucketPlan) -> list[int]:
     return starts
 
 
-def read_buckets(
-    name: str, plan: BucketPlan, *, other_process: bool = True
-) -> tuple[shared_memory.SharedMemory, Iterator[tuple[str, torch.Tensor]]]:
+class _Mapping:
+    """A read mapping of a segment, opened by path (no resource-tracker registration)."""
+
+    def __init__(self, name: str, size: int) -> None:
+        import mmap
+
+        fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._map)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._map.close()
+
+
+def read_buckets(name: str, plan: BucketPlan) -> tuple[_Mapping, Iterator[tuple[str, torch.Tensor]]]:
     """The engine end: map the segment and yield named views into it, bucket by bucket.
 
-    The caller closes the returned segment handle after loading. `other_process`: the segment
-    belongs to another process, whose exit (not ours) must unlink it.
+    The caller closes the returned mapping after loading. The segment is mapped by path rather
+    than through `SharedMemory`, so this process never registers (or unlinks) it: its owner does.
     """
-    segment = shared_memory.SharedMemory(name=name, create=False)
-    if other_process:
-        _untrack(segment)
+    segment = _Mapping(name, max(plan.total_bytes, 1))
     memory = torch.frombuffer(segment.buf, dtype=torch.uint8, count=plan.total_bytes)
     starts = _starts(plan)
 

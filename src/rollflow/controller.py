@@ -1,0 +1,389 @@
+"""The single asyncio controller: it owns every task and keeps the tokens flowing.
+
+Two loops run at once under one TaskGroup:
+
+- the producer: admission (the capacity rule in `buffer.Admission`) -> next prompt -> G rollouts
+  streamed concurrently from the engine -> scoring -> group advantages -> the group buffer;
+- the training loop: group buffer -> batch (tokens too stale for `max_lag` withheld) -> trainer
+  step in a worker thread (the loop keeps streaming meanwhile) -> weight sync into the engine
+  -> admission advances -> metrics and ledger lines.
+
+Every prompt ends in `ledger.jsonl` exactly once: trained (at step s) or dropped (with a reason).
+Shutdown, on completion, error or Ctrl-C, cancels in-flight rollouts (their engine requests are
+aborted) and closes the engine. With several trainer ranks, rank 0 runs this controller and the
+others run `follow`. This module does not compute losses or move weights itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rollflow.advantage import group_advantages
+from rollflow.buffer import Admission, GroupBuffer, lags, withhold_stale
+from rollflow.config import Config, dump_config
+from rollflow.engine.vllm import VLLMEngine
+from rollflow.errors import EngineDeadError, EngineError
+from rollflow.evaluate import EvalReport, evaluate, sampling_spec
+from rollflow.handoff import Step, Stop, Sync, broadcast, train_sample
+from rollflow.models import chat_encoder, load_tokenizer, resolve_model
+from rollflow.records import Group, Prompt, TrainBatch
+from rollflow.rollout import rollout
+from rollflow.sampler import Sampler
+from rollflow.scoring import make_scorer
+from rollflow.trainer import Trainer
+from rollflow.weight_sync import make_transport, plan_for, sync_weights
+
+log = logging.getLogger(__name__)
+
+
+class LedgerEntry(msgspec.Struct, omit_defaults=True):
+    """One line of ledger.jsonl: what became of one prompt."""
+
+    id: str
+    outcome: str
+    """`trained` or `dropped`."""
+    step: int | None = None
+    reason: str | None = None
+
+
+class RunResult(msgspec.Struct):
+    """What `train` returns: per-step metrics, prompt accounting and held-out evaluation."""
+
+    steps: int
+    wall_s: float
+    metrics: list[dict[str, Any]]
+    trained_prompts: int
+    dropped: dict[str, int]
+    eval_before: EvalReport | None = None
+    eval_after: EvalReport | None = None
+
+
+class _Jsonl:
+    """Append-only JSON lines, flushed per line (a crash loses at most the line being written)."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("ab")
+
+    def write(self, obj: Any) -> None:
+        self._file.write(msgspec.json.encode(obj) + b"\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Controller:
+    """One training run: engine, trainer, transport, sampler, buffer, and the two loops."""
+
+    def __init__(
+        self,
+        config: Config,
+        output_dir: str | Path,
+        *,
+        on_step: Callable[[dict], None] | None = None,
+        engine: Any = None,
+        trainer: Any = None,
+        transport: Any = None,
+        tokenizer: Any = None,
+    ):
+        """`engine`, `trainer`, `transport` and `tokenizer` default to the real ones built from the
+        config; tests pass fakes that honour the same interfaces."""
+        self.config = config
+        self._given = {"engine": engine, "trainer": trainer, "transport": transport, "tokenizer": tokenizer}
+        self.output_dir = Path(output_dir)
+        self.on_step = on_step
+        run = config.run
+        self.samples_per_step = run.groups_per_step * config.rollout.group_size
+        self.admission = Admission(self.samples_per_step, run.max_lag)
+        self.buffer = GroupBuffer()
+        self.score = make_scorer(run.reward)
+        self.spec = sampling_spec(config)
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._dropped: dict[str, int] = {}
+        self._generated_tokens = 0
+        self._group_seq = 0
+        self._trained = 0
+
+    # ---- the run ------------------------------------------------------------------------
+
+    async def run(self) -> RunResult:
+        cfg = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.toml").write_text(dump_config(cfg))
+        self.metrics_file = _Jsonl(self.output_dir / "metrics.jsonl")
+        self.ledger = _Jsonl(self.output_dir / "ledger.jsonl")
+        began = time.monotonic()
+        given = self._given
+        model_path = resolve_model(cfg.model.path) if given["tokenizer"] is None or given["trainer"] is None else None
+        self.tokenizer = given["tokenizer"] or load_tokenizer(model_path)
+        encode = chat_encoder(self.tokenizer)
+        self.sampler = Sampler(cfg.data, encode)
+        if given["trainer"] is None:
+            import torch
+
+            torch.set_num_threads(cfg.run.trainer_threads)
+        self.trainer = given["trainer"] or await asyncio.to_thread(Trainer, model_path, cfg.trainer, cfg.loss)
+        engine_config = cfg.engine
+        if cfg.trainer.lora.enabled and not engine_config.max_loras:
+            # Every adapter still used by an in-flight request stays loaded: max_lag + 2 of them.
+            engine_config = msgspec.structs.replace(engine_config, max_loras=cfg.run.max_lag + 2)
+        self.engine = given["engine"] or VLLMEngine(model_path, engine_config, dtype=cfg.model.dtype)
+        self.transport = given["transport"] or make_transport(cfg.run.weight_transport)
+        metrics: list[dict[str, Any]] = []
+        eval_before = eval_after = None
+        try:
+            await self.engine.start()
+            if not cfg.trainer.lora.enabled:
+                await self.transport.connect(self.engine)
+                specs = [(n, t.dtype, tuple(t.shape)) for n, t in self._weight_specs()]
+                self.plan = plan_for(specs)
+            if cfg.run.eval_prompts:
+                eval_before = await self._evaluate()
+            async with asyncio.TaskGroup() as tg:
+                producer = tg.create_task(self._produce(tg), name="producer")
+                try:
+                    await self._train(metrics, began)
+                finally:
+                    await self.admission.close()
+                    producer.cancel()
+                    for task in self._inflight.values():
+                        task.cancel()
+            if cfg.run.eval_prompts:
+                eval_after = await self._evaluate()
+        finally:
+            self._account_leftovers()
+            if self.trainer.world_size > 1:
+                await asyncio.to_thread(broadcast, Stop())
+            await self.transport.aclose()
+            await self.engine.aclose()
+            self.metrics_file.close()
+            self.ledger.close()
+        return RunResult(
+            steps=len(metrics),
+            wall_s=time.monotonic() - began,
+            metrics=metrics,
+            trained_prompts=self._trained,
+            dropped=dict(self._dropped),
+            eval_before=eval_before,
+            eval_after=eval_after,
+        )
+
+    def _weight_specs(self):
+        # Names, dtypes and global shapes without gathering (FSDP2 DTensors know their full shape).
+        return self.trainer.lm.state_dict().items()
+
+    # ---- producer: prompts -> groups ----------------------------------------------------
+
+    async def _produce(self, tg: asyncio.TaskGroup) -> None:
+        group_size = self.config.rollout.group_size
+        while await self.admission.acquire(group_size):
+            prompt = self.sampler.next()
+            group_id = f"g{self._group_seq}"
+            self._group_seq += 1
+            self._inflight[prompt.id] = tg.create_task(self._group(prompt, group_id), name=f"group-{prompt.id}")
+
+    async def _group(self, prompt: Prompt, group_id: str) -> None:
+        cfg = self.config
+        tasks = [
+            asyncio.ensure_future(
+                rollout(self.engine, prompt, self.spec, group_id=group_id, index=i, partial=cfg.rollout.partial)
+            )
+            for i in range(cfg.rollout.group_size)
+        ]
+        try:
+            samples = await asyncio.gather(*tasks)
+        except BaseException as err:
+            # One sample failed or the run is ending: stop the group's other samples too.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._inflight.pop(prompt.id, None)
+            if isinstance(err, asyncio.CancelledError):
+                self._drop(prompt.id, "run ended: in flight")
+                raise
+            if isinstance(err, EngineError) and not isinstance(err, EngineDeadError):
+                self._drop(prompt.id, f"engine error: {err}")
+                return
+            raise
+        self._inflight.pop(prompt.id, None)
+        scored = []
+        for sample in samples:
+            self._generated_tokens += sample.num_tokens
+            text = self.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
+            reward, reason = self.score(prompt, text)
+            scored.append(msgspec.structs.replace(sample, reward=reward, unscorable=reason))
+        if all(s.reward is None for s in scored):
+            self._drop(prompt.id, f"unscorable: {scored[0].unscorable}")
+            return
+        adv = group_advantages([s.reward for s in scored], estimator=cfg.loss.advantage, scale_std=cfg.loss.scale_std)
+        await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages))
+
+    # ---- training loop: groups -> steps -> weights ----------------------------------------
+
+    def _batch(self, step: int, groups: list[Group]) -> tuple[TrainBatch, dict[str, Any]]:
+        """Build the step's batch; withhold tokens whose lag exceeds max_lag."""
+        max_lag = self.config.run.max_lag
+        samples, all_lags, sample_lags, withheld, unscorable = [], [], [], 0, 0
+        per_sample_lags: list[list[int]] = []
+        rewards = []
+        for group in groups:
+            for sample, advantage in zip(group.samples, group.advantages, strict=True):
+                if sample.reward is None:
+                    unscorable += 1
+                    continue
+                rewards.append(sample.reward)
+                mask, n = withhold_stale(sample.versions, sample.loss_mask, step, max_lag)
+                withheld += n
+                token_lags = lags(sample.versions, step)
+                per_sample_lags.append(token_lags)
+                all_lags += token_lags
+                sample_lags.append(max(token_lags, default=0))
+                samples.append(train_sample(sample, advantage, mask))
+        mean = sum(rewards) / len(rewards) if rewards else 0.0
+        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5 if rewards else 0.0
+        stats = {
+            "reward_mean": mean,
+            "reward_std": std,
+            "samples": len(samples),
+            "tokens": sum(s.num_completion for s in samples),
+            "lag_mean": sum(all_lags) / len(all_lags) if all_lags else 0.0,
+            "lag_max": max(all_lags, default=0),
+            "sample_lag_max": max(sample_lags, default=0),
+            "withheld_tokens": withheld,
+            "loss_lag_max": max((lag for s, tl in zip(samples, per_sample_lags, strict=True)
+                                 for lag, m in zip(tl, s.loss_mask, strict=True) if m), default=0),
+            "unscorable": unscorable,
+        }
+        return TrainBatch(step=step, samples=samples, max_tokens=self.config.sampling.max_tokens), stats
+
+    async def _train(self, metrics: list[dict[str, Any]], began: float) -> None:
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        run = self.config.run
+        for step in range(run.max_steps):
+            t0 = time.monotonic()
+            tokens_before = self._generated_tokens
+            groups = await self.buffer.take(run.groups_per_step)
+            t_batch = time.monotonic()
+            batch, stats = self._batch(step, groups)
+            if batch.samples:
+                trained = await asyncio.to_thread(self._step, batch)
+            else:
+                trained = {}
+            t_step = time.monotonic()
+            await self._sync()
+            await self.admission.advance(self.engine.version)
+            t_sync = time.monotonic()
+            for group in groups:
+                self.ledger.write(LedgerEntry(id=group.prompt.id, outcome="trained", step=step))
+            self._trained += len(groups)
+            interval = t_sync - t0
+            row = {
+                "step": step,
+                "version": self.engine.version,
+                **stats,
+                "ratio_mean": trained.get("ratio_mean", 1.0),
+                "trainer_idle_frac": (t_batch - t0) / interval if interval > 0 else 0.0,
+                "gen_tokens_per_s": (self._generated_tokens - tokens_before) / interval if interval > 0 else 0.0,
+                "weight_sync_s": t_sync - t_step,
+                "train_step_s": t_step - t_batch,
+                "buffer_groups": len(self.buffer),
+                "wall_s": t_sync - began,
+                **{k: v for k, v in trained.items() if k != "ratio_mean"},
+            }
+            metrics.append(row)
+            self.metrics_file.write(row)
+            console.print(
+                f"step {step + 1}/{run.max_steps}  reward {row['reward_mean']:.3f}  lag {row['lag_mean']:.2f}"
+                f" (max {row['lag_max']})  ratio {row['ratio_mean']:.4f}  idle {row['trainer_idle_frac']:.0%}"
+                f"  {row['gen_tokens_per_s']:.0f} tok/s  sync {row['weight_sync_s']:.2f}s",
+                highlight=False,
+            )
+            if self.on_step is not None:
+                self.on_step(row)
+
+    def _step(self, batch: TrainBatch) -> dict[str, float]:
+        if self.trainer.world_size > 1:
+            broadcast(Step(batch=batch))
+        return self.trainer.step(batch)
+
+    async def _sync(self) -> None:
+        cfg = self.config
+        if cfg.trainer.lora.enabled:
+            await self.engine.update_adapter(
+                self.trainer.adapter_weights(), self.trainer.adapter_config(), partial=cfg.rollout.partial
+            )
+            return
+        if self.trainer.world_size > 1:
+            await asyncio.to_thread(broadcast, Sync())
+        await sync_weights(
+            self.engine, self.transport, self.plan, self.trainer.full_weights(), partial=cfg.rollout.partial
+        )
+
+    async def _evaluate(self) -> EvalReport:
+        cfg = self.config
+        held_out = Sampler(msgspec.structs.replace(cfg.data, seed=cfg.run.eval_seed), chat_encoder(self.tokenizer))
+        prompts = [held_out.next() for _ in range(cfg.run.eval_prompts)]
+        return await evaluate(
+            self.engine,
+            prompts,
+            sampling_spec(cfg, greedy=True),
+            samples_per_prompt=1,
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            score=lambda p, text: self.score(p, text)[0],
+        )
+
+    # ---- accounting ---------------------------------------------------------------------
+
+    def _drop(self, prompt_id: str, reason: str) -> None:
+        self.ledger.write(LedgerEntry(id=prompt_id, outcome="dropped", reason=reason))
+        key = reason.split(":")[0]
+        self._dropped[key] = self._dropped.get(key, 0) + 1
+
+    def _account_leftovers(self) -> None:
+        """Prompts started but not trained when the run ends are dropped with a reason."""
+        for group in self.buffer.drain():
+            self._drop(group.prompt.id, "run ended: generated, not trained")
+        for prompt_id in list(self._inflight):
+            self._drop(prompt_id, "run ended: in flight")
+        self._inflight.clear()
+
+
+def follow(trainer: Trainer) -> None:
+    """The loop of trainer ranks other than 0: step and gather weights as rank 0 says."""
+    while True:
+        message = broadcast(None)
+        match message:
+            case Step(batch=batch):
+                trainer.step(batch)
+            case Sync():
+                for _ in trainer.full_weights():
+                    pass
+            case Stop():
+                return
+
+
+async def train(config: Config, output_dir: str | Path, *, on_step: Callable[[dict], None] | None = None) -> RunResult:
+    """Run training in the current event loop; writes config.toml, metrics.jsonl and ledger.jsonl."""
+    return await Controller(config, output_dir, on_step=on_step).run()
+
+
+def uvloop_policy_installed() -> bool:
+    """Use uvloop for the CLI's loop when it is installed (the library uses whatever loop runs it)."""
+    if os.environ.get("ROLLFLOW_NO_UVLOOP"):
+        return False
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True

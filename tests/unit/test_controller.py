@@ -1,0 +1,141 @@
+"""The controller's admission and staleness rules with a fake engine, trainer and transport."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rollflow.buffer import Admission, lags, withhold_stale
+from rollflow.config import load_config
+from rollflow.controller import Controller
+from rollflow.engine.fake import FakeEngine
+
+
+class FakeTokenizer:
+    """Characters are token ids; the chat template joins role and content."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [ord(c) % 997 + 1 for m in messages for c in m["content"]]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(str(i % 10) if i % 3 == 0 else "x" for i in ids)
+
+
+class FakeTrainer:
+    """Records what each step consumed; takes `step_s` seconds per step (in its thread)."""
+
+    world_size = 1
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.batches = []
+
+        class LM:
+            def state_dict(self):
+                return {}
+
+        self.lm = LM()
+
+    def step(self, batch):
+        import time
+
+        time.sleep(self.step_s)
+        self.batches.append(batch)
+        return {"ratio_mean": 1.0, "loss": 0.0}
+
+    def full_weights(self):
+        return iter(())
+
+
+class FakeTransport:
+    name = "fake"
+
+    async def connect(self, engine):
+        return None
+
+    async def push(self, engine, plan, tensors):
+        return 0
+
+    async def aclose(self):
+        return None
+
+
+def config(max_tokens: int = 12, **run):
+    overrides = [f"run.{k}={v}" for k, v in run.items()]
+    return load_config(preset="tiny", overrides=["run.reward=digits", f"sampling.max_tokens={max_tokens}", *overrides])
+
+
+async def run_fake(tmp_path, engine, trainer=None, max_tokens=12, **run):
+    trainer = trainer or FakeTrainer()
+    controller = Controller(
+        config(max_tokens, **run), tmp_path, engine=engine, trainer=trainer, transport=FakeTransport(),
+        tokenizer=FakeTokenizer(),
+    )
+    result = await asyncio.wait_for(controller.run(), 60)
+    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    return result, trainer, ledger, controller
+
+
+def test_admission_capacity_rule():
+    admission = Admission(samples_per_step=8, max_lag=1)
+    assert admission.capacity() == 16 and admission.can_start(16) and not admission.can_start(17)
+    assert Admission(8, 0).capacity() == 8
+    assert admission.capacity(version=3) == 40
+
+
+def test_lags_and_withholding():
+    assert lags([0, 0, 1, 2], consuming_step=2) == [2, 2, 1, 0]
+    mask, withheld = withhold_stale([0, 0, 1, 2], [1, 0, 1, 1], consuming_step=2, max_lag=1)
+    assert mask == [0, 0, 1, 1] and withheld == 1  # the already-masked token is not counted
+
+
+@pytest.mark.timeout(60)
+async def test_synchronous_mode_trains_only_lag_zero_tokens(tmp_path):
+    result, trainer, ledger, _ = await run_fake(tmp_path, FakeEngine(token_delay=0.001), max_lag=0, max_steps=4)
+    assert result.steps == 4
+    for _step, batch in enumerate(trainer.batches):
+        for sample in batch.samples:
+            assert sample.loss_mask == [1] * sample.num_completion
+        assert all(m["lag_max"] == 0 for m in result.metrics)
+    assert all(m["withheld_tokens"] == 0 for m in result.metrics)
+    trained = [e for e in ledger if e["outcome"] == "trained"]
+    assert len(trained) == 4 * 4 and result.trained_prompts == 16
+    # Synchronous: nothing beyond the current step was ever started, so nothing is left over.
+    assert [e for e in ledger if e["outcome"] == "dropped"] == []
+
+
+@pytest.mark.timeout(60)
+async def test_async_mode_respects_the_bound_and_accounts_every_prompt(tmp_path):
+    engine = FakeEngine(token_delay=0.002)
+    result, _trainer, ledger, controller = await run_fake(
+        tmp_path, engine, FakeTrainer(step_s=0.05), max_lag=2, max_steps=6
+    )
+    assert max(m["loss_lag_max"] for m in result.metrics) <= 2
+    assert max(m["lag_max"] for m in result.metrics) >= 1  # asynchrony actually happened
+    ids = [e["id"] for e in ledger]
+    assert len(ids) == len(set(ids))  # exactly once
+    started = controller.admission.started // controller.config.rollout.group_size
+    assert len(ids) == started  # every started prompt is in the ledger
+    assert controller.admission.started <= controller.admission.capacity(engine.version)
+    assert {e["reason"].split(":")[0] for e in ledger if e["outcome"] == "dropped"} <= {"run ended"}
+
+
+@pytest.mark.timeout(60)
+async def test_stragglers_past_the_bound_are_withheld_not_dropped(tmp_path):
+    # Every third prompt is a straggler: its group decodes 80 tokens slowly while short groups
+    # keep the trainer stepping, so its early tokens outlive max_lag by the time it is consumed.
+    def length(prompt):
+        return 80 if sum(prompt) % 3 == 0 else 3
+
+    engine = FakeEngine(token_delay=0.004, length_fn=length)
+    result, trainer, _ledger, _ = await run_fake(
+        tmp_path, engine, FakeTrainer(step_s=0.03), max_lag=1, max_steps=12, max_tokens=100,
+    )
+    assert all(m["loss_lag_max"] <= 1 for m in result.metrics)
+    assert sum(m["withheld_tokens"] for m in result.metrics) > 0
+    assert max(m["lag_max"] for m in result.metrics) > 1
+    # Withheld tokens leave the loss, but the sample (and its reward) stays in the batch.
+    masked = [s for b in trainer.batches for s in b.samples if 0 in s.loss_mask]
+    assert masked and all(len(s.loss_mask) == s.num_completion for s in masked)
