@@ -5,6 +5,7 @@ every token records the policy version that produced it. This module is the publ
 """
 
 from rollflow.config import Config, load_config
+from rollflow.controller import RunResult, train
 from rollflow.engine import Engine, EngineOutput
 from rollflow.errors import (
     ConfigError,
@@ -38,6 +39,7 @@ __all__ = [
     "Prompt",
     "RetryableError",
     "RollflowError",
+    "RunResult",
     "Sample",
     "Sampler",
     "SamplingSpec",
@@ -46,4 +48,5 @@ __all__ = [
     "load_config",
     "resolve_model",
     "rollout",
+    "train",
 ]

@@ -282,6 +282,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sampling": {"max_tokens": 24},
         "data": {"max_operand": 20},
         "rollout": {"group_size": 8},
+        "trainer": {"lr": 5e-6, "micro_batch_tokens": 2048},
+        "run": {"max_steps": 15, "groups_per_step": 4, "max_lag": 1, "reward": "verifier", "eval_prompts": 64},
     },
 }
 """Built-in starting points: `tiny` for smoke tests, `default` for the README's main job."""

@@ -64,6 +64,8 @@ class RunResult(msgspec.Struct):
     dropped: dict[str, int]
     eval_before: EvalReport | None = None
     eval_after: EvalReport | None = None
+    engine_busy_s: float = 0.0
+    """Wall time with at least one group generating."""
 
 
 class _Jsonl:
@@ -111,6 +113,9 @@ class Controller:
         self._generated_tokens = 0
         self._group_seq = 0
         self._trained = 0
+        self._busy_since: float | None = None
+        self.engine_busy_s = 0.0
+        """Wall time with at least one group generating (the engine's busy time)."""
 
     # ---- the run ------------------------------------------------------------------------
 
@@ -174,6 +179,7 @@ class Controller:
             dropped=dict(self._dropped),
             eval_before=eval_before,
             eval_after=eval_after,
+            engine_busy_s=self.engine_busy_s,
         )
 
     def _weight_specs(self):
@@ -188,6 +194,8 @@ class Controller:
             prompt = self.sampler.next()
             group_id = f"g{self._group_seq}"
             self._group_seq += 1
+            if not self._inflight:
+                self._busy_since = time.monotonic()
             self._inflight[prompt.id] = tg.create_task(self._group(prompt, group_id), name=f"group-{prompt.id}")
 
     async def _group(self, prompt: Prompt, group_id: str) -> None:
@@ -205,7 +213,7 @@ class Controller:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self._inflight.pop(prompt.id, None)
+            self._finished(prompt.id)
             if isinstance(err, asyncio.CancelledError):
                 self._drop(prompt.id, "run ended: in flight")
                 raise
@@ -213,7 +221,7 @@ class Controller:
                 self._drop(prompt.id, f"engine error: {err}")
                 return
             raise
-        self._inflight.pop(prompt.id, None)
+        self._finished(prompt.id)
         scored = []
         for sample in samples:
             self._generated_tokens += sample.num_tokens
@@ -225,6 +233,12 @@ class Controller:
             return
         adv = group_advantages([s.reward for s in scored], estimator=cfg.loss.advantage, scale_std=cfg.loss.scale_std)
         await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages))
+
+    def _finished(self, prompt_id: str) -> None:
+        self._inflight.pop(prompt_id, None)
+        if not self._inflight and self._busy_since is not None:
+            self.engine_busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
 
     # ---- training loop: groups -> steps -> weights ----------------------------------------
 
@@ -295,6 +309,7 @@ class Controller:
                 "trainer_idle_frac": (t_batch - t0) / interval if interval > 0 else 0.0,
                 "gen_tokens_per_s": (self._generated_tokens - tokens_before) / interval if interval > 0 else 0.0,
                 "weight_sync_s": t_sync - t_step,
+                "batch_wait_s": t_batch - t0,
                 "train_step_s": t_step - t_batch,
                 "buffer_groups": len(self.buffer),
                 "wall_s": t_sync - began,
