@@ -127,7 +127,8 @@ class Controller:
         self.ledger = _Jsonl(self.output_dir / "ledger.jsonl")
         began = time.monotonic()
         given = self._given
-        model_path = resolve_model(cfg.model.path) if given["tokenizer"] is None or given["trainer"] is None else None
+        needs_model = any(given[k] is None for k in ("tokenizer", "trainer", "engine"))
+        model_path = resolve_model(cfg.model.path) if needs_model else Path(cfg.model.path)
         self.tokenizer = given["tokenizer"] or load_tokenizer(model_path)
         encode = chat_encoder(self.tokenizer)
         self.sampler = Sampler(cfg.data, encode)
