@@ -273,8 +273,15 @@ class Controller:
             "lag_max": max(all_lags, default=0),
             "sample_lag_max": max(sample_lags, default=0),
             "withheld_tokens": withheld,
-            "loss_lag_max": max((lag for s, tl in zip(samples, per_sample_lags, strict=True)
-                                 for lag, m in zip(tl, s.loss_mask, strict=True) if m), default=0),
+            "loss_lag_max": max(
+                (
+                    lag
+                    for s, tl in zip(samples, per_sample_lags, strict=True)
+                    for lag, m in zip(tl, s.loss_mask, strict=True)
+                    if m
+                ),
+                default=0,
+            ),
             "unscorable": unscorable,
         }
         return TrainBatch(step=step, samples=samples, max_tokens=self.config.sampling.max_tokens), stats

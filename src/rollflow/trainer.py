@@ -463,3 +463,26 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A whole tensor from a possibly sharded (DTensor) one."""
     full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
     return full.detach()
+
+
+class FakeTrainer:
+    """The trainer's interface without a model, for controller tests and benchmarks: records
+    each batch and takes `step_s` seconds per step (in the caller's thread)."""
+
+    world_size = 1
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.batches: list[TrainBatch] = []
+        self.lm = nn.Module()  # no parameters: nothing to sync
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        if self.step_s:
+            import time
+
+            time.sleep(self.step_s)
+        self.batches.append(batch)
+        return {"ratio_mean": 1.0, "loss": 0.0}
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(())

@@ -11,6 +11,8 @@ from rollflow.buffer import Admission, lags, withhold_stale
 from rollflow.config import load_config
 from rollflow.controller import Controller
 from rollflow.engine.fake import FakeEngine
+from rollflow.trainer import FakeTrainer
+from rollflow.weight_sync import NullTransport
 
 
 class FakeTokenizer:
@@ -23,45 +25,6 @@ class FakeTokenizer:
         return "".join(str(i % 10) if i % 3 == 0 else "x" for i in ids)
 
 
-class FakeTrainer:
-    """Records what each step consumed; takes `step_s` seconds per step (in its thread)."""
-
-    world_size = 1
-
-    def __init__(self, step_s: float = 0.0) -> None:
-        self.step_s = step_s
-        self.batches = []
-
-        class LM:
-            def state_dict(self):
-                return {}
-
-        self.lm = LM()
-
-    def step(self, batch):
-        import time
-
-        time.sleep(self.step_s)
-        self.batches.append(batch)
-        return {"ratio_mean": 1.0, "loss": 0.0}
-
-    def full_weights(self):
-        return iter(())
-
-
-class FakeTransport:
-    name = "fake"
-
-    async def connect(self, engine):
-        return None
-
-    async def push(self, engine, plan, tensors):
-        return 0
-
-    async def aclose(self):
-        return None
-
-
 def config(max_tokens: int = 12, **run):
     overrides = [f"run.{k}={v}" for k, v in run.items()]
     return load_config(preset="tiny", overrides=["run.reward=digits", f"sampling.max_tokens={max_tokens}", *overrides])
@@ -70,7 +33,7 @@ def config(max_tokens: int = 12, **run):
 async def run_fake(tmp_path, engine, trainer=None, max_tokens=12, **run):
     trainer = trainer or FakeTrainer()
     controller = Controller(
-        config(max_tokens, **run), tmp_path, engine=engine, trainer=trainer, transport=FakeTransport(),
+        config(max_tokens, **run), tmp_path, engine=engine, trainer=trainer, transport=NullTransport(),
         tokenizer=FakeTokenizer(),
     )
     result = await asyncio.wait_for(controller.run(), 60)

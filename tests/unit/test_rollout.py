@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from rollflow.engine import spans_to_versions
-from rollflow.engine.fake import FakeEngine, fake_token
+from rollflow.engine.fake import FakeEngine, _mix, context_state, fake_token
 from rollflow.records import Prompt, SamplingSpec
 from rollflow.rollout import rollout
 
@@ -17,12 +17,12 @@ SPEC = SamplingSpec(max_tokens=40)
 
 def replay(prompt: list[int], tokens: list[int], versions: list[int]) -> tuple[list[int], list[float]]:
     """What the fake model produces token by token, given each token's version."""
-    context, out, logprobs = list(prompt), [], []
+    state, out, logprobs = context_state(prompt), [], []
     for version in versions:
-        token, logprob = fake_token(context, version, 1000)
+        token, logprob = fake_token(state, version, 1000)
         out.append(token)
         logprobs.append(logprob)
-        context.append(token)
+        state = _mix(state, token)
     return out, logprobs
 
 

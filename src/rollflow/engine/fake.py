@@ -11,7 +11,6 @@ version), and its log-prob is derived from the same hash, so a test can recomput
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from rollflow.engine import EngineOutput, PartialMode, Weights
@@ -21,10 +20,29 @@ EOS_TOKEN = 0
 """The fake's end-of-sequence token; `length_fn` decides when it is emitted."""
 
 
-def fake_token(context: list[int], version: int, vocab: int) -> tuple[int, float]:
-    """The token (never EOS) and log-prob that the fake model of `version` gives after `context`."""
-    digest = hashlib.blake2b(repr((context, version)).encode(), digest_size=8).digest()
-    value = int.from_bytes(digest, "little")
+_MASK = (1 << 64) - 1
+
+
+def _mix(state: int, value: int) -> int:
+    """One splitmix64-style step: a cheap, well-spread hash of (state, value)."""
+    z = (state + 0x9E3779B97F4A7C15 + value) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def context_state(tokens: list[int]) -> int:
+    """The rolling hash of a token sequence (prompt + prefix)."""
+    state = 0
+    for token in tokens:
+        state = _mix(state, token)
+    return state
+
+
+def fake_token(state: int, version: int, vocab: int) -> tuple[int, float]:
+    """The token (never EOS) and log-prob that the fake model of `version` gives after the
+    context whose rolling hash is `state`."""
+    value = _mix(state, 1_000_003 * (version + 1))
     return 1 + value % (vocab - 1), -((value >> 20) % 1000) / 100.0
 
 
@@ -41,9 +59,12 @@ class FakeEngine:
         vocab: int = 1000,
         token_delay: float = 0.0,
         length_fn: Callable[[list[int]], int] | None = None,
+        tokens_per_step: int = 1,
     ) -> None:
         self.vocab = vocab
         self.token_delay = token_delay
+        self.tokens_per_step = tokens_per_step
+        """Tokens a request produces per engine step (one await each step)."""
         self.length_fn = length_fn
         """prompt token ids -> completion length before EOS (None: run to max_tokens)."""
         self._version = 0
@@ -68,7 +89,7 @@ class FakeEngine:
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
     ) -> AsyncGenerator[EngineOutput, None]:
         self._live.add(request_id)
-        context = list(prompt_token_ids)
+        state = context_state(prompt_token_ids)
         versions: list[int] = []
         stop_at = self.length_fn(prompt_token_ids) if self.length_fn else None
         try:
@@ -86,22 +107,31 @@ class FakeEngine:
                 if reason is not None:
                     yield EngineOutput([], [], reason, versions)  # type: ignore[arg-type]
                     return
-                # The token is computed and labelled in one step, with no await in between, so
-                # its version is the one in force when it was computed.
-                if stop_at is not None and len(versions) >= stop_at:
-                    token, logprob = EOS_TOKEN, -0.1
-                else:
-                    token, logprob = fake_token(context, self._version, self.vocab)
-                context.append(token)
-                versions.append(self._version)
-                self.tokens_generated += 1
-                if token == EOS_TOKEN and not sampling.ignore_eos:
-                    yield EngineOutput([token], [logprob], "stop", versions)
+                # One engine step: tokens are computed and labelled with no await in between,
+                # so each token's version is the one in force when it was computed.
+                tokens: list[int] = []
+                logprobs: list[float] = []
+                finish = None
+                for _ in range(self.tokens_per_step):
+                    if stop_at is not None and len(versions) >= stop_at:
+                        token, logprob = EOS_TOKEN, -0.1
+                    else:
+                        token, logprob = fake_token(state, self._version, self.vocab)
+                    state = _mix(state, token)
+                    versions.append(self._version)
+                    tokens.append(token)
+                    logprobs.append(logprob)
+                    self.tokens_generated += 1
+                    if token == EOS_TOKEN and not sampling.ignore_eos:
+                        finish = "stop"
+                        break
+                    if len(versions) >= sampling.max_tokens:
+                        finish = "length"
+                        break
+                if finish is not None:
+                    yield EngineOutput(tokens, logprobs, finish, versions)  # type: ignore[arg-type]
                     return
-                if len(versions) >= sampling.max_tokens:
-                    yield EngineOutput([token], [logprob], "length", versions)
-                    return
-                yield EngineOutput([token], [logprob])
+                yield EngineOutput(tokens, logprobs)
         finally:
             self._live.discard(request_id)
             self._aborted.discard(request_id)

@@ -102,7 +102,7 @@ class ShmTransport:
         return None
 
     async def push(self, engine: VLLMEngine, plan: BucketPlan, tensors: NamedTensors) -> int:
-        written = await asyncio.to_thread(self._sender.write_direct, plan, tensors)
+        written = await asyncio.to_thread(self._sender.write, plan, tensors)
         await engine.rpc("rollflow_shm_load", self._sender.name, plan.encode())
         return written
 
@@ -142,6 +142,21 @@ class CheckpointTransport:
     async def aclose(self) -> None:
         if self._own:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class NullTransport:
+    """Moves nothing: for controller tests and benchmarks with a fake engine."""
+
+    name = "null"
+
+    async def connect(self, engine: object) -> None:
+        return None
+
+    async def push(self, engine: object, plan: BucketPlan, tensors: NamedTensors) -> int:
+        return 0
+
+    async def aclose(self) -> None:
+        return None
 
 
 def make_transport(name: TransportName, *, host: str = "127.0.0.1", timeout_s: float = 60.0) -> WeightTransport:
@@ -189,6 +204,7 @@ __all__ = [
     "BucketPlan",
     "CheckpointTransport",
     "GlooTransport",
+    "NullTransport",
     "ShmTransport",
     "WeightTransport",
     "make_transport",

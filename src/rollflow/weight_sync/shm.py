@@ -16,7 +16,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from rollflow.weight_sync.buckets import BucketPlan, pack, unpack
+from rollflow.weight_sync.buckets import BucketPlan, unpack
 
 
 class ShmSender:
@@ -32,22 +32,8 @@ class ShmSender:
         return self._segment.name
 
     def write(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Write all buckets back to back into the segment; returns bytes written."""
-        total = plan.total_bytes
-        if self._segment is None or self._segment.size < total:
-            self.close()
-            self._segment = shared_memory.SharedMemory(
-                name=f"rollflow-{secrets.token_hex(6)}", create=True, size=max(total, 1)
-            )
-        memory = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=total)
-        starts = _starts(plan)
-        for index, buffer in pack(plan, tensors):
-            memory[starts[index] : starts[index] + buffer.numel()].copy_(buffer)
-        del memory
-        return total
-
-    def write_direct(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Like `write`, but copies each tensor straight into the segment (no bucket buffer)."""
+        """Copy each tensor straight to its place in the segment (the plan's bucket layout, laid
+        back to back; no intermediate bucket buffer); returns bytes written."""
         total = plan.total_bytes
         if self._segment is None or self._segment.size < total:
             self.close()
