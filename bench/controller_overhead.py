@@ -1,6 +1,6 @@
 """Controller overhead: samples per second through sampler -> rollout -> scoring -> buffer.
 
-A zero-latency fake engine (a whole completion per engine step, no model) and a fake
+A zero-latency engine (a fixed completion per request, returned at once) and a fake
 trainer (returns at once) isolate the controller's own cost per sample: admission, prompt
 tokenising, one rollout coroutine per sample, reward, group advantages, buffering, batching,
 ledger and metrics lines. Prints a table and, last, `RESULT controller_samples_per_s=<x>`.
@@ -17,9 +17,34 @@ import time
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
-from rollflow.engine.fake import FakeEngine
+from rollflow.engine import EngineOutput
 from rollflow.trainer import FakeTrainer
 from rollflow.weight_sync import NullTransport
+
+
+class InstantEngine:
+    """Zero latency: every request returns a fixed completion in one final output, at once."""
+
+    version = 0
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = list(range(3, 3 + tokens))
+        self.logprobs = [-1.0] * tokens
+
+    async def start(self):
+        return self
+
+    async def stream(self, request_id, prompt_token_ids, sampling, *, deltas=True):
+        n = min(sampling.max_tokens, len(self.tokens))
+        yield EngineOutput(self.tokens[:n], self.logprobs[:n], "length", [self.version] * n)
+
+    async def update_weights_with(self, load, *, partial="keep", deadline_s=None):
+        await load()
+        self.version += 1
+        return self.version
+
+    async def aclose(self):
+        return None
 
 
 class Tokenizer:
@@ -45,7 +70,7 @@ async def main(args: argparse.Namespace) -> None:
         controller = Controller(
             config,
             out,
-            engine=FakeEngine(tokens_per_step=args.tokens),
+            engine=InstantEngine(args.tokens),
             trainer=FakeTrainer(),
             transport=NullTransport(),
             tokenizer=Tokenizer(),

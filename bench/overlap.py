@@ -8,18 +8,30 @@ and warm-up excluded). Prints wall time, trainer idle fraction (waiting for a ba
 idle fraction (no request generating) for both, the speedup, and last
 `RESULT overlap_speedup=<x> trainer_idle_async=<y>`.
 
-    bin/dev python bench/overlap.py [--steps 12] [--max-tokens 96] [--groups 4] [--max-lag 1]
+    bin/dev python bench/overlap.py [--steps 16] [--max-tokens 32] [--groups 8] [--max-lag 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import tempfile
 
 from rollflow.config import load_config
 from rollflow.controller import train
+
+ENGINE_CORE, CONTROLLER_CORE = 0, 1
+
+
+def pin(core: int) -> None:
+    """Bind every thread of this process to one core (threads started later inherit it)."""
+    if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), {core})
 
 
 async def one(max_lag: int, args: argparse.Namespace) -> dict[str, float]:
@@ -33,17 +45,20 @@ async def one(max_lag: int, args: argparse.Namespace) -> dict[str, float]:
             f"trainer.micro_batch_tokens={args.micro_batch_tokens}",
         ],
     )
+    pin(ENGINE_CORE)  # the engine process spawned at start inherits this core
     with tempfile.TemporaryDirectory() as out:
-        result = await train(config, out)
+        result = await train(config, out, on_step=lambda _row: pin(CONTROLLER_CORE))
     steady = result.metrics[1:]
-    wall = result.metrics[-1]["wall_s"] - result.metrics[0]["wall_s"]
+    first, last = result.metrics[0], result.metrics[-1]
+    wall = last["wall_s"] - first["wall_s"]
+    busy = last["engine_busy_s"] - first["engine_busy_s"]
     waited = sum(m["batch_wait_s"] for m in steady)
     train_s = sum(m["train_step_s"] for m in steady)
     sync_s = sum(m["weight_sync_s"] for m in steady)
     return {
         "wall_s": wall,
         "trainer_idle": waited / wall if wall > 0 else 0.0,
-        "engine_idle": max(0.0, 1.0 - result.engine_busy_s / result.wall_s),
+        "engine_idle": max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0,
         "train_s": train_s,
         "sync_s": sync_s,
         "reward_last": result.metrics[-1]["reward_mean"],
@@ -67,15 +82,14 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-lag", type=int, default=1)
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     args = parser.parse_args()
-    # The engine process (spawned at start) binds its OpenMP thread to core 0; this process and
-    # the trainer thread it starts stay on core 1.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    if hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() >= 2:
-        os.sched_setaffinity(0, {1})
+    # The engine process (spawned at start, while this process sits on core 0) keeps core 0 and
+    # binds its OpenMP thread there; after the first step this process (controller loop and
+    # trainer thread) moves to core 1.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(ENGINE_CORE))
     asyncio.run(main(args))

@@ -235,6 +235,11 @@ class Controller:
         adv = group_advantages([s.reward for s in scored], estimator=cfg.loss.advantage, scale_std=cfg.loss.scale_std)
         await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages))
 
+    def _busy_total(self) -> float:
+        """Engine busy time so far, counting the current busy stretch."""
+        current = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        return self.engine_busy_s + current
+
     def _finished(self, prompt_id: str) -> None:
         self._inflight.pop(prompt_id, None)
         if not self._inflight and self._busy_since is not None:
@@ -320,6 +325,7 @@ class Controller:
                 "batch_wait_s": t_batch - t0,
                 "train_step_s": t_step - t_batch,
                 "buffer_groups": len(self.buffer),
+                "engine_busy_s": self._busy_total(),
                 "wall_s": t_sync - began,
                 **{k: v for k, v in trained.items() if k != "ratio_mean"},
             }
@@ -330,6 +336,7 @@ class Controller:
                 f" (max {row['lag_max']})  ratio {row['ratio_mean']:.4f}  idle {row['trainer_idle_frac']:.0%}"
                 f"  {row['gen_tokens_per_s']:.0f} tok/s  sync {row['weight_sync_s']:.2f}s",
                 highlight=False,
+                soft_wrap=True,
             )
             if self.on_step is not None:
                 self.on_step(row)

@@ -32,7 +32,7 @@ async def _stream_once(engine: Engine, request_id: str, token_ids: list[int], sa
     """Run one engine request to its end; returns all its tokens in one output."""
     tokens: list[int] = []
     logprobs: list[float] = []
-    async with contextlib.aclosing(engine.stream(request_id, token_ids, sampling)) as stream:
+    async with contextlib.aclosing(engine.stream(request_id, token_ids, sampling, deltas=False)) as stream:
         async for out in stream:
             tokens += out.token_ids
             logprobs += out.logprobs

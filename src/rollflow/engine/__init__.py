@@ -48,11 +48,12 @@ class Engine(Protocol):
         ...
 
     def stream(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *, deltas: bool = True
     ) -> AsyncGenerator[EngineOutput, None]:
         """Generate a completion as deltas; the last one has `finish_reason` and `versions`.
 
-        Cancelling the iteration aborts the request in the engine and re-raises.
+        `deltas=False` asks for the whole completion in one final output (less client work when
+        nobody watches tokens arrive). Cancelling the iteration aborts the request and re-raises.
         """
         ...
 

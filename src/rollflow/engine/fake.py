@@ -86,7 +86,7 @@ class FakeEngine:
         return len(self._live)
 
     async def stream(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *, deltas: bool = True
     ) -> AsyncGenerator[EngineOutput, None]:
         self._live.add(request_id)
         state = context_state(prompt_token_ids)

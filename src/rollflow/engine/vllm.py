@@ -53,7 +53,7 @@ def prepare_environment(config: EngineConfig) -> None:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 
 
-def _sampling_params(sampling: SamplingSpec) -> Any:
+def _sampling_params(sampling: SamplingSpec, deltas: bool = True) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -65,7 +65,8 @@ def _sampling_params(sampling: SamplingSpec) -> Any:
         ignore_eos=sampling.ignore_eos,
         seed=sampling.seed,
         logprobs=0,  # the sampled token's log-prob only
-        output_kind=RequestOutputKind.DELTA,
+        # FINAL_ONLY spares the client one Python round trip per token when nobody watches.
+        output_kind=RequestOutputKind.DELTA if deltas else RequestOutputKind.FINAL_ONLY,
         detokenize=False,
     )
 
@@ -172,7 +173,7 @@ class VLLMEngine:
         return EngineDeadError(f"vLLM engine core for {self.model_path} died: {err}")
 
     async def stream(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *, deltas: bool = True
     ) -> AsyncGenerator[EngineOutput, None]:
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
@@ -190,7 +191,7 @@ class VLLMEngine:
         self._live.add(request_id)
         produced = 0
         try:
-            async for out in llm.generate(prompt, _sampling_params(sampling), request_id, lora_request=lora):
+            async for out in llm.generate(prompt, _sampling_params(sampling, deltas), request_id, lora_request=lora):
                 completion = out.outputs[0]
                 tokens = list(completion.token_ids)
                 produced += len(tokens)
