@@ -34,5 +34,11 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Every benchmark; each prints a table and a RESULT line."""
-    for script in ("bench/engine_overhead.py", "bench/loss_memory.py"):
-        session.run("python", script, *session.posargs)
+    for script in (
+        "bench/engine_overhead.py",
+        "bench/loss_memory.py",
+        "bench/weight_sync.py",
+        "bench/overlap.py",
+        "bench/controller_overhead.py",
+    ):
+        session.run("python", script)
