@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return asyncio.run(_generate(args))
         if args.command == "train":
-            return asyncio.run(_train(args))
+            from rollflow.ranks import main_or_follow
+
+            return main_or_follow(lambda: asyncio.run(_train(args)), args)
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

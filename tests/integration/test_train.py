@@ -56,3 +56,32 @@ async def test_tiny_preset_learns_its_reward(tmp_path):
     rewards = [m["reward_mean"] for m in result.metrics]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.1, rewards
+
+
+def test_two_trainer_ranks_under_torchrun(tmp_path):
+    """torchrun, 2 gloo ranks with FSDP2: rank 0 runs the controller, rank 1 follows; the run is
+    on-policy (max_lag 0), so the sharded trainer must agree with the engine token for token."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "-m", "rollflow", "train", "--preset", "tiny", "--max-steps", "3",
+         "--set", "run.max_lag=0", "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False,
+        env=dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics:
+        assert m["lag_max"] == 0
+        assert abs(m["ratio_min"] - 1) < 1e-3 and abs(m["ratio_max"] - 1) < 1e-3
+    entries = ledger(tmp_path)
+    assert len([e for e in entries if e["outcome"] == "trained"]) == 12
+    assert "steps=3" in done.stdout
