@@ -113,6 +113,7 @@ class Controller:
         self._generated_tokens = 0
         self._group_seq = 0
         self._trained = 0
+        self._stepping: list[Group] = []
         self._busy_since: float | None = None
         self.engine_busy_s = 0.0
         """Wall time with at least one group generating (the engine's busy time)."""
@@ -300,6 +301,7 @@ class Controller:
             t0 = time.monotonic()
             tokens_before = self._generated_tokens
             groups = await self.buffer.take(run.groups_per_step)
+            self._stepping = groups  # out of the buffer, not yet in the ledger
             t_batch = time.monotonic()
             batch, stats = self._batch(step, groups)
             if batch.samples:
@@ -313,6 +315,7 @@ class Controller:
             for group in groups:
                 self.ledger.write(LedgerEntry(id=group.prompt.id, outcome="trained", step=step))
             self._trained += len(groups)
+            self._stepping = []
             interval = t_sync - t0
             row = {
                 "step": step,
@@ -381,6 +384,9 @@ class Controller:
 
     def _account_leftovers(self) -> None:
         """Prompts started but not trained when the run ends are dropped with a reason."""
+        for group in self._stepping:
+            self._drop(group.prompt.id, "run ended: its step was interrupted")
+        self._stepping = []
         for group in self.buffer.drain():
             self._drop(group.prompt.id, "run ended: generated, not trained")
         for prompt_id in list(self._inflight):

@@ -102,3 +102,24 @@ async def test_stragglers_past_the_bound_are_withheld_not_dropped(tmp_path):
     # Withheld tokens leave the loss, but the sample (and its reward) stays in the batch.
     masked = [s for b in trainer.batches for s in b.samples if 0 in s.loss_mask]
     assert masked and all(len(s.loss_mask) == s.num_completion for s in masked)
+
+
+@pytest.mark.timeout(60)
+async def test_cancelling_a_run_mid_step_still_accounts_every_started_prompt(tmp_path):
+    engine = FakeEngine(token_delay=0.001)
+    controller = Controller(
+        config(max_steps=1000, max_lag=1), tmp_path, engine=engine, trainer=FakeTrainer(step_s=0.05),
+        transport=NullTransport(), tokenizer=FakeTokenizer(),
+    )
+    task = asyncio.create_task(controller.run())
+    while controller._trained < 12:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.02)  # most likely inside a trainer step now
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    entries = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    ids = [e["id"] for e in entries]
+    assert len(ids) == len(set(ids))
+    assert len(ids) == controller.admission.started // controller.config.rollout.group_size
+    assert engine.num_live == 0  # every in-flight request was aborted
