@@ -8,7 +8,7 @@ and warm-up excluded). Prints wall time, trainer idle fraction (waiting for a ba
 idle fraction (no request generating) for both, the speedup, and last
 `RESULT overlap_speedup=<x> trainer_idle_async=<y>`.
 
-    bin/dev python bench/overlap.py [--steps 16] [--max-tokens 32] [--groups 8] [--max-lag 1]
+    bin/dev python bench/overlap.py [--steps 16] [--max-tokens 64] [--groups 8] [--system-words 400] [--max-lag 2] [--max-lag 1]
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from rollflow.config import load_config
 from rollflow.controller import train
 
 ENGINE_CORE, CONTROLLER_CORE = 0, 1
+SYSTEM_WORDS = " ".join(["think step by step then answer with the number"] * 40)
+"""A long system prompt: training pays for every prompt token, generation prefills it once
+(prefix caching shares it), which is how long prompts shift work towards the trainer."""
 
 
 def pin(core: int) -> None:
@@ -43,6 +46,7 @@ async def one(max_lag: int, args: argparse.Namespace) -> dict[str, float]:
             f"run.groups_per_step={args.groups}",
             f"sampling.max_tokens={args.max_tokens}",
             f"trainer.micro_batch_tokens={args.micro_batch_tokens}",
+            f"data.system_prompt='{SYSTEM_WORDS[: args.system_words]}'",
         ],
     )
     pin(ENGINE_CORE)  # the engine process spawned at start inherits this core
@@ -84,9 +88,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-lag", type=int, default=1)
-    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-lag", type=int, default=2)
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--system-words", type=int, default=400, help="characters of a shared system prompt")
     args = parser.parse_args()
     # The engine process (spawned at start, while this process sits on core 0) keeps core 0 and
     # binds its OpenMP thread there; after the first step this process (controller loop and
