@@ -8,7 +8,7 @@ and warm-up excluded). Prints wall time, trainer idle fraction (waiting for a ba
 idle fraction (no request generating) for both, the speedup, and last
 `RESULT overlap_speedup=<x> trainer_idle_async=<y>`.
 
-    bin/dev python bench/overlap.py [--steps 16] [--max-tokens 64] [--groups 8] [--system-words 400] [--max-lag 2] [--max-lag 1]
+    bin/dev python bench/overlap.py [--steps 16] [--max-tokens 64] [--groups 8] [--system-words 400] [--max-lag 2]
 """
 
 from __future__ import annotations
