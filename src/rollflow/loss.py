@@ -95,6 +95,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             probs, total = _softmax_(logits, top)
             out[start:end] = (target - total.log()).squeeze(-1)
             entropy[start:end] = torch.special.entr(probs).sum(-1)
+            del logits, probs  # free this chunk before the next one is allocated
         ctx.save_for_backward(hidden, weight, targets)
         ctx.settings = (temperature, top_k, top_p, chunk)
         ctx.mark_non_differentiable(entropy)
@@ -120,6 +121,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_hidden[start:end] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.t(), hidden[start:end])  # no (V, H) temporary
+            del logits, grad_logits  # free this chunk before the next one is allocated
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
