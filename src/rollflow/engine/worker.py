@@ -37,18 +37,21 @@ class WorkerExtension:
         return len(tensors)
 
     def rollflow_load_path(self, path: str) -> int:
-        """Load every `*.safetensors` file in a folder, one file at a time."""
+        """Load every `*.safetensors` file in a folder, one tensor at a time."""
         from pathlib import Path
 
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{path}: no .safetensors files to load")
 
         def weights():
+            # One tensor at a time from the memory-mapped file: never the whole file in memory.
             for file in files:
-                yield from load_file(file).items()
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                        yield name, f.get_tensor(name)
 
         self._rollflow_reload(weights())
         return len(files)
