@@ -6,7 +6,12 @@ its CPU torch cannot be installed by nox's own resolver on these machines.
 
 from __future__ import annotations
 
+import sys
+
 import nox
+
+PY = sys.executable
+"""The environment's interpreter: tools run as `python -m tool` from it, whatever PATH says."""
 
 nox.options.default_venv_backend = "none"
 nox.options.sessions = ["lint", "types", "tests"]
@@ -15,20 +20,20 @@ nox.options.sessions = ["lint", "types", "tests"]
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff over sources, tests, examples and benchmarks."""
-    session.run("ruff", "check", "src", "tests", "examples", "bench", "noxfile.py")
-    session.run("ruff", "format", "--check", "--diff", "src")
+    session.run(PY, "-m", "ruff", "check", "src", "tests", "examples", "bench", "noxfile.py")
+    session.run(PY, "-m", "ruff", "format", "--check", "--diff", "src")
 
 
 @nox.session
 def types(session: nox.Session) -> None:
     """mypy over src/rollflow."""
-    session.run("mypy")
+    session.run(PY, "-m", "mypy")
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """The full test suite (what CI runs)."""
-    session.run("pytest", *session.posargs)
+    session.run(PY, "-m", "pytest", *session.posargs)
 
 
 @nox.session
@@ -41,4 +46,4 @@ def bench(session: nox.Session) -> None:
         "bench/overlap.py",
         "bench/controller_overhead.py",
     ):
-        session.run("python", script)
+        session.run(PY, script)
