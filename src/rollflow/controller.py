@@ -30,7 +30,7 @@ from rollflow.advantage import group_advantages
 from rollflow.buffer import Admission, GroupBuffer, lags, withhold_stale
 from rollflow.config import Config, dump_config
 from rollflow.engine.vllm import VLLMEngine
-from rollflow.errors import EngineDeadError, EngineError
+from rollflow.errors import EngineDeadError, EngineError, UserInputError
 from rollflow.evaluate import EvalReport, evaluate, sampling_spec
 from rollflow.handoff import Step, Stop, Sync, broadcast, train_sample
 from rollflow.models import chat_encoder, load_tokenizer, resolve_model
@@ -122,6 +122,12 @@ class Controller:
 
     async def run(self) -> RunResult:
         cfg = self.config
+        existing = [n for n in ("metrics.jsonl", "ledger.jsonl") if (self.output_dir / n).exists()]
+        if existing:
+            raise UserInputError(
+                f"{self.output_dir}: already holds a run ({', '.join(existing)}); choose a new output directory "
+                "(resuming a run is not supported yet)"
+            )
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.toml").write_text(dump_config(cfg))
         self.metrics_file = _Jsonl(self.output_dir / "metrics.jsonl")

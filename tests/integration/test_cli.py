@@ -49,3 +49,10 @@ def test_user_errors_exit_2_with_one_clear_line(args, expected):
     assert done.returncode == 2
     assert expected in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_train_refuses_an_output_directory_that_holds_a_run(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    done = run("train", "--preset", "tiny", "--output-dir", str(tmp_path), timeout=120)
+    assert done.returncode == 2
+    assert "already holds a run" in done.stderr and "Traceback" not in done.stderr

@@ -123,3 +123,14 @@ async def test_cancelling_a_run_mid_step_still_accounts_every_started_prompt(tmp
     assert len(ids) == len(set(ids))
     assert len(ids) == controller.admission.started // controller.config.rollout.group_size
     assert engine.num_live == 0  # every in-flight request was aborted
+
+
+async def test_an_output_directory_with_a_run_is_refused(tmp_path):
+    from rollflow.errors import UserInputError
+
+    (tmp_path / "ledger.jsonl").write_text('{"id": "x", "outcome": "trained", "step": 0}\n')
+    controller = Controller(config(), tmp_path, engine=FakeEngine(), trainer=FakeTrainer(),
+                            transport=NullTransport(), tokenizer=FakeTokenizer())
+    with pytest.raises(UserInputError, match="already holds a run"):
+        await controller.run()
+    assert (tmp_path / "ledger.jsonl").read_text().count("\n") == 1  # untouched
