@@ -24,7 +24,8 @@ def make_batch(trainer: Trainer, n: int = 6, seed: int = 0, **sampling) -> Train
         prompt = [rng.randrange(3, 800) for _ in range(rng.randint(3, 9))]
         with torch.no_grad():
             out = trainer.lm.generate(
-                torch.tensor([prompt]), do_sample=True, max_new_tokens=rng.randint(2, 12), min_new_tokens=2,
+                torch.tensor([prompt], device=trainer.device), do_sample=True, max_new_tokens=rng.randint(2, 12),
+                min_new_tokens=2,
                 temperature=sampling.get("temperature", 1.0), top_k=sampling.get("top_k", 0) or None,
                 top_p=sampling.get("top_p", 1.0), pad_token_id=0,
             )
