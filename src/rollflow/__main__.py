@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -135,19 +136,26 @@ async def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _use_uvloop() -> None:
+    """The CLI's loop is uvloop when installed (the library runs on whatever loop calls it)."""
+    if os.environ.get("ROLLFLOW_NO_UVLOOP"):
+        return
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     if args.verbose:
-        import os
-
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     try:
-        from rollflow.controller import uvloop_policy_installed
-
-        uvloop_policy_installed()
+        _use_uvloop()
         if args.command == "generate":
             return asyncio.run(_generate(args))
         if args.command == "train":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -208,9 +207,11 @@ class Controller:
 
     async def _group(self, prompt: Prompt, group_id: str) -> None:
         cfg = self.config
+        # Owned here: awaited together below, and cancelled together if any fails.
         tasks = [
-            asyncio.ensure_future(
-                rollout(self.engine, prompt, self.spec, group_id=group_id, index=i, partial=cfg.rollout.partial)
+            asyncio.create_task(
+                rollout(self.engine, prompt, self.spec, group_id=group_id, index=i, partial=cfg.rollout.partial),
+                name=f"rollout-{group_id}/{i}",
             )
             for i in range(cfg.rollout.group_size)
         ]
@@ -259,7 +260,7 @@ class Controller:
         """Build the step's batch; withhold tokens whose lag exceeds max_lag."""
         max_lag = self.config.run.max_lag
         samples, all_lags, sample_lags, withheld, unscorable = [], [], [], 0, 0
-        per_sample_lags: list[list[int]] = []
+        loss_lag_max = 0
         rewards = []
         for group in groups:
             for sample, advantage in zip(group.samples, group.advantages, strict=True):
@@ -270,7 +271,7 @@ class Controller:
                 mask, n = withhold_stale(sample.versions, sample.loss_mask, step, max_lag)
                 withheld += n
                 token_lags = lags(sample.versions, step)
-                per_sample_lags.append(token_lags)
+                loss_lag_max = max([loss_lag_max] + [lag for lag, m in zip(token_lags, mask, strict=True) if m])
                 all_lags += token_lags
                 sample_lags.append(max(token_lags, default=0))
                 samples.append(train_sample(sample, advantage, mask))
@@ -285,15 +286,7 @@ class Controller:
             "lag_max": max(all_lags, default=0),
             "sample_lag_max": max(sample_lags, default=0),
             "withheld_tokens": withheld,
-            "loss_lag_max": max(
-                (
-                    lag
-                    for s, tl in zip(samples, per_sample_lags, strict=True)
-                    for lag, m in zip(tl, s.loss_mask, strict=True)
-                    if m
-                ),
-                default=0,
-            ),
+            "loss_lag_max": loss_lag_max,
             "unscorable": unscorable,
         }
         return TrainBatch(step=step, samples=samples, max_tokens=self.config.sampling.max_tokens), stats
@@ -417,15 +410,3 @@ def follow(trainer: Trainer) -> None:
 async def train(config: Config, output_dir: str | Path, *, on_step: Callable[[dict], None] | None = None) -> RunResult:
     """Run training in the current event loop; writes config.toml, metrics.jsonl and ledger.jsonl."""
     return await Controller(config, output_dir, on_step=on_step).run()
-
-
-def uvloop_policy_installed() -> bool:
-    """Use uvloop for the CLI's loop when it is installed (the library uses whatever loop runs it)."""
-    if os.environ.get("ROLLFLOW_NO_UVLOOP"):
-        return False
-    try:
-        import uvloop
-    except ImportError:
-        return False
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return True

@@ -365,23 +365,19 @@ class Trainer:
 
         Collective under FSDP2: every rank must call it with the same samples.
         """
-        settings = {(s.temperature, s.top_k, s.top_p) for s in samples}
-        out: list[list[float]] = []
+        by_setting: dict[tuple[float, int, float], list[int]] = {}
+        for i, s in enumerate(samples):
+            by_setting.setdefault((s.temperature, s.top_k, s.top_p), []).append(i)
+        out: list[list[float]] = [[] for _ in samples]
         self.module.eval()
-        for sampling in sorted(settings):
-            chosen = [s for s in samples if (s.temperature, s.top_k, s.top_p) == sampling]
-            for start in range(0, len(chosen), 8):
-                micro = chosen[start : start + 8]
-                t = self._tensors(micro)
+        for sampling, indices in sorted(by_setting.items()):
+            for start in range(0, len(indices), 8):
+                micro = indices[start : start + 8]
+                t = self._tensors([samples[i] for i in micro])
                 logprobs, _ = self._logprobs(self.module, t, sampling)
-                out.extend(logprobs[b, : s.num_completion].tolist() for b, s in enumerate(micro))
-        order = {
-            id(s): i
-            for i, s in enumerate(
-                s for sampling in sorted(settings) for s in samples if (s.temperature, s.top_k, s.top_p) == sampling
-            )
-        }
-        return [out[order[id(s)]] for s in samples]
+                for b, i in enumerate(micro):
+                    out[i] = logprobs[b, : samples[i].num_completion].tolist()
+        return out
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Current gradients, whole, by parameter name (collective under FSDP2)."""
@@ -480,6 +476,7 @@ class FakeTrainer:
         if self.step_s:
             import time
 
+            # Stands for the compute of a real step: it runs in the controller's worker thread.
             time.sleep(self.step_s)
         self.batches.append(batch)
         return {"ratio_mean": 1.0, "loss": 0.0}
