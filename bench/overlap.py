@@ -8,7 +8,7 @@ and warm-up excluded). Prints wall time, trainer idle fraction (waiting for a ba
 idle fraction (no request generating) for both, the speedup, and last
 `RESULT overlap_speedup=<x> trainer_idle_async=<y>`.
 
-    bin/dev python bench/overlap.py [--steps 16] [--max-tokens 64] [--groups 8] [--system-words 400] [--max-lag 2]
+    bin/dev python bench/overlap.py [--steps 24] [--max-tokens 64] [--groups 8] [--system-words 400] [--max-lag 2]
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-lag", type=int, default=2)

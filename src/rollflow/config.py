@@ -241,6 +241,11 @@ class RunConfig(_Section, frozen=True):
     trainer_threads: PosInt = 1
     """Torch threads of the trainer (one per process keeps 2-core machines from thrashing)."""
 
+    trainer_cpus: list[NonNegInt] = msgspec.field(default_factory=list)
+    """CPU cores the trainer thread is bound to (Linux); empty: no binding. The event loop and
+    the engine stay where they are, so e.g. `[1]` with the process on core 0 gives the trainer a
+    core of its own."""
+
 
 class Config(_Section, frozen=True):
     model: ModelConfig = ModelConfig()

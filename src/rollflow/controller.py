@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ from rollflow.rollout import rollout
 from rollflow.sampler import Sampler
 from rollflow.scoring import make_scorer
 from rollflow.trainer import Trainer
-from rollflow.weight_sync import make_transport, plan_for, sync_weights
+from rollflow.weight_sync import make_transport, plan_for, publish
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,11 @@ class Controller:
         self._trained = 0
         self._stepping: list[Group] = []
         self._busy_since: float | None = None
+        self._update: asyncio.Task[None] | None = None
+        """The engine's load of the latest staged weights (runs while the next step trains)."""
+        self._last_update_s = 0.0
+        self._trainer_thread = ThreadPoolExecutor(1, "rollflow-trainer", initializer=self._bind_trainer_thread)
+        """Every trainer step runs on this one thread, so the event loop keeps streaming."""
         self.engine_busy_s = 0.0
         """Wall time with at least one group generating (the engine's busy time)."""
 
@@ -162,7 +169,7 @@ class Controller:
             async with asyncio.TaskGroup() as tg:
                 producer = tg.create_task(self._produce(tg), name="producer")
                 try:
-                    await self._train(metrics, began)
+                    await self._train(tg, metrics, began)
                 finally:
                     await self.admission.close()
                     producer.cancel()
@@ -174,6 +181,7 @@ class Controller:
             self._account_leftovers()
             if self.trainer.world_size > 1:
                 await asyncio.to_thread(broadcast, Stop())
+            self._trainer_thread.shutdown(wait=False)
             await self.transport.aclose()
             await self.engine.aclose()
             self.metrics_file.close()
@@ -188,6 +196,11 @@ class Controller:
             eval_after=eval_after,
             engine_busy_s=self.engine_busy_s,
         )
+
+    def _bind_trainer_thread(self) -> None:
+        cpus = self.config.run.trainer_cpus
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)  # 0: the calling thread
 
     def _weight_specs(self):
         # Names, dtypes and global shapes without gathering (FSDP2 DTensors know their full shape).
@@ -291,7 +304,7 @@ class Controller:
         }
         return TrainBatch(step=step, samples=samples, max_tokens=self.config.sampling.max_tokens), stats
 
-    async def _train(self, metrics: list[dict[str, Any]], began: float) -> None:
+    async def _train(self, tg: asyncio.TaskGroup, metrics: list[dict[str, Any]], began: float) -> None:
         from rich.console import Console
 
         console = Console(stderr=True)
@@ -304,12 +317,11 @@ class Controller:
             t_batch = time.monotonic()
             batch, stats = self._batch(step, groups)
             if batch.samples:
-                trained = await asyncio.to_thread(self._step, batch)
+                trained = await asyncio.get_running_loop().run_in_executor(self._trainer_thread, self._step, batch)
             else:
                 trained = {}
             t_step = time.monotonic()
-            await self._sync()
-            await self.admission.advance(self.engine.version)
+            staged_bytes = await self._publish(tg)
             t_sync = time.monotonic()
             for group in groups:
                 self.ledger.write(LedgerEntry(id=group.prompt.id, outcome="trained", step=step))
@@ -318,12 +330,14 @@ class Controller:
             interval = t_sync - t0
             row = {
                 "step": step,
-                "version": self.engine.version,
+                "version": step + 1,
                 **stats,
                 "ratio_mean": trained.get("ratio_mean", 1.0),
                 "trainer_idle_frac": (t_batch - t0) / interval if interval > 0 else 0.0,
                 "gen_tokens_per_s": (self._generated_tokens - tokens_before) / interval if interval > 0 else 0.0,
                 "weight_sync_s": t_sync - t_step,
+                "weight_sync_bytes": staged_bytes,
+                "engine_update_s": self._last_update_s,
                 "batch_wait_s": t_batch - t0,
                 "train_step_s": t_step - t_batch,
                 "buffer_groups": len(self.buffer),
@@ -342,24 +356,46 @@ class Controller:
             )
             if self.on_step is not None:
                 self.on_step(row)
+        await self.admission.close()  # no step is left to consume new samples
+        if self._update is not None:
+            await self._update  # the last step's weights are in the engine when the run returns
 
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         if self.trainer.world_size > 1:
             broadcast(Step(batch=batch))
         return self.trainer.step(batch)
 
-    async def _sync(self) -> None:
+    async def _publish(self, tg: asyncio.TaskGroup) -> int:
+        """Hand the step's weights to the engine; returns the bytes staged.
+
+        The training loop waits for the previous engine update (one at a time: the staging area
+        is reused) and for the copy of the new weights out of the trainer; the engine then loads
+        them in its critical section while the next step trains, when the transport's copy is a
+        snapshot. Admission advances once the engine serves the new version.
+        """
         cfg = self.config
+        if self._update is not None:
+            await self._update
         if cfg.trainer.lora.enabled:
-            await self.engine.update_adapter(
-                self.trainer.adapter_weights(), self.trainer.adapter_config(), partial=cfg.rollout.partial
-            )
-            return
+            began = time.monotonic()
+            weights = self.trainer.adapter_weights()
+            await self.engine.update_adapter(weights, self.trainer.adapter_config(), partial=cfg.rollout.partial)
+            self._last_update_s = time.monotonic() - began
+            await self.admission.advance(self.engine.version)
+            return sum(t.numel() * t.element_size() for t in weights.values())
         if self.trainer.world_size > 1:
             await asyncio.to_thread(broadcast, Sync())
-        await sync_weights(
-            self.engine, self.transport, self.plan, self.trainer.full_weights(), partial=cfg.rollout.partial
-        )
+        staged = await self.transport.stage(self.plan, self.trainer.full_weights())
+        self._update = tg.create_task(self._load_into_engine(), name="engine-update")
+        if not self.transport.snapshots:
+            await self._update
+        return staged
+
+    async def _load_into_engine(self) -> None:
+        began = time.monotonic()
+        await publish(self.engine, self.transport, self.plan, partial=self.config.rollout.partial)
+        self._last_update_s = time.monotonic() - began
+        await self.admission.advance(self.engine.version)
 
     async def _evaluate(self) -> EvalReport:
         cfg = self.config

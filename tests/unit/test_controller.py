@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import os
+import threading
+import time
 
 import pytest
 
@@ -134,3 +138,64 @@ async def test_an_output_directory_with_a_run_is_refused(tmp_path):
     with pytest.raises(UserInputError, match="already holds a run"):
         await controller.run()
     assert (tmp_path / "ledger.jsonl").read_text().count("\n") == 1  # untouched
+
+
+class _SlowLoad(NullTransport):
+    """Loading into the engine takes `load_s`; records when each load ran."""
+
+    def __init__(self, load_s: float) -> None:
+        self.load_s = load_s
+        self.loads: list[tuple[float, float]] = []
+
+    async def load(self, engine, plan) -> None:
+        began = time.monotonic()
+        await asyncio.sleep(self.load_s)
+        self.loads.append((began, time.monotonic()))
+
+
+class _TimedTrainer(FakeTrainer):
+    """Records when each step began, on which thread, bound to which cores."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__(step_s)
+        self.starts: list[float] = []
+        self.threads: set[int] = set()
+        self.cpus: list[set[int]] = []
+
+    def step(self, batch):
+        self.starts.append(time.monotonic())
+        self.threads.add(threading.get_native_id())
+        if hasattr(os, "sched_getaffinity"):
+            self.cpus.append(os.sched_getaffinity(0))
+        return super().step(batch)
+
+
+@pytest.mark.timeout(60)
+async def test_next_step_trains_while_the_engine_loads_the_last_weights(tmp_path):
+    engine, trainer, transport = FakeEngine(token_delay=0.0005), _TimedTrainer(step_s=0.05), _SlowLoad(0.3)
+    controller = Controller(
+        config(max_lag=2, max_steps=4), tmp_path, engine=engine, trainer=trainer, transport=transport,
+        tokenizer=FakeTokenizer(),
+    )
+    result = await asyncio.wait_for(controller.run(), 60)
+    assert result.steps == 4 and engine.version == 4  # every step's weights reached the engine
+    assert len(transport.loads) == 4
+    # Step k+1 began while the engine was still loading step k's weights...
+    overlapped = [s for s, (began, ended) in zip(trainer.starts[1:], transport.loads, strict=False) if began <= s < ended]
+    assert overlapped, (trainer.starts, transport.loads)
+    # ...and the loads never ran two at a time (the staging area is reused).
+    for (_, ended), (began, _) in itertools.pairwise(transport.loads):
+        assert began >= ended
+    assert all(m["loss_lag_max"] <= 2 for m in result.metrics)
+    assert max(m["engine_update_s"] for m in result.metrics) >= 0.3
+
+
+@pytest.mark.timeout(60)
+async def test_trainer_steps_run_on_one_thread_bound_to_trainer_cpus(tmp_path):
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("CPU affinity is Linux-only")
+    core = min(os.sched_getaffinity(0))
+    trainer = _TimedTrainer(step_s=0.0)
+    await run_fake(tmp_path, FakeEngine(), trainer, max_steps=3, trainer_cpus=f"[{core}]")
+    assert len(trainer.threads) == 1 and threading.get_native_id() not in trainer.threads
+    assert trainer.cpus == [{core}] * 3

@@ -1,9 +1,12 @@
 """Weight sync: trainer weights into the live engine, through one critical section.
 
 A `WeightTransport` moves one full set of weights (named tensors in checkpoint naming, laid
-out by a `BucketPlan`) from the trainer side into the engine's worker; `sync_weights` runs it
-inside the engine's critical section (pause -> transfer and load -> label the new version ->
-reset the prefix cache -> resume), under a deadline. Transports:
+out by a `BucketPlan`) from the trainer side into the engine's worker in two phases: `stage`
+copies the weights out of the trainer while the engine keeps generating, and `load` moves the
+staged copy into the worker inside the engine's critical section (pause -> transfer and load ->
+label the new version -> reset the prefix cache -> resume), under a deadline; `sync_weights`
+runs both. A transport whose staged copy is a snapshot (`snapshots = True`) lets the trainer
+take its next step while the engine loads. Transports:
 
 - `gloo`: a dedicated two-process gloo group between trainer rank 0 and the vLLM worker;
 - `shm`: same host, packed buckets in a shared-memory segment the worker loads in place;
@@ -28,7 +31,7 @@ import torch
 
 from rollflow.engine import PartialMode
 from rollflow.engine.vllm import VLLMEngine
-from rollflow.weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
+from rollflow.weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, pack_into, plan_buckets
 from rollflow.weight_sync.gloo import GlooSender
 from rollflow.weight_sync.shm import ShmSender
 
@@ -45,8 +48,16 @@ class WeightTransport(Protocol):
         """One-off setup with the engine (join groups, open segments)."""
         ...
 
-    async def push(self, engine: VLLMEngine, plan: BucketPlan, tensors: NamedTensors) -> int:
-        """Send and load; runs inside the engine's paused critical section. Returns bytes moved."""
+    snapshots: bool
+    """True when `stage` copies the weights, so the trainer may change them while `load` runs."""
+
+    async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
+        """Copy the weights out of the trainer (the engine keeps generating); returns bytes."""
+        ...
+
+    async def load(self, engine: VLLMEngine, plan: BucketPlan) -> None:
+        """Move the staged weights into the worker and load them; runs inside the engine's paused
+        critical section."""
         ...
 
     async def aclose(self) -> None: ...
@@ -56,11 +67,13 @@ class GlooTransport:
     """Trainer rank 0 (this process) -> vLLM worker over a dedicated gloo group."""
 
     name = "gloo"
+    snapshots = True
 
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 60.0) -> None:
         self.host = host
         self.timeout_s = timeout_s
         self._sender: GlooSender | None = None
+        self._staged = torch.empty(0, dtype=torch.uint8)
 
     async def connect(self, engine: VLLMEngine) -> None:
         sender = GlooSender(self.host, 0, self.timeout_s)
@@ -70,19 +83,23 @@ class GlooTransport:
         )
         self._sender = sender
 
-    async def push(self, engine: VLLMEngine, plan: BucketPlan, tensors: NamedTensors) -> int:
+    async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
+        if self._staged.numel() < plan.total_bytes:
+            self._staged = torch.empty(plan.total_bytes, dtype=torch.uint8)
+        return await asyncio.to_thread(pack_into, plan, tensors, self._staged)
+
+    async def load(self, engine: VLLMEngine, plan: BucketPlan) -> None:
         if self._sender is None:
             await self.connect(engine)
         assert self._sender is not None
         sender = self._sender
         try:
-            sent, _ = await asyncio.gather(
-                asyncio.to_thread(sender.send, plan, tensors), engine.rpc("rollflow_gloo_receive")
+            await asyncio.gather(
+                asyncio.to_thread(sender.send_packed, plan, self._staged), engine.rpc("rollflow_gloo_receive")
             )
         except BaseException:
             self._sender = None  # a failed collective leaves the group unusable: rejoin next time
             raise
-        return sent
 
     async def aclose(self) -> None:
         if self._sender is not None:
@@ -94,6 +111,7 @@ class ShmTransport:
     """Same host: packed buckets in shared memory, loaded by the worker without a socket."""
 
     name = "shm"
+    snapshots = True
 
     def __init__(self) -> None:
         self._sender = ShmSender()
@@ -101,10 +119,11 @@ class ShmTransport:
     async def connect(self, engine: VLLMEngine) -> None:
         return None
 
-    async def push(self, engine: VLLMEngine, plan: BucketPlan, tensors: NamedTensors) -> int:
-        written = await asyncio.to_thread(self._sender.write, plan, tensors)
+    async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
+        return await asyncio.to_thread(self._sender.write, plan, tensors)
+
+    async def load(self, engine: VLLMEngine, plan: BucketPlan) -> None:
         await engine.rpc("rollflow_shm_load", self._sender.name, plan.encode())
-        return written
 
     async def aclose(self) -> None:
         self._sender.close()
@@ -114,6 +133,7 @@ class CheckpointTransport:
     """safetensors files in a folder, reloaded by the worker (the portable fallback)."""
 
     name = "checkpoint"
+    snapshots = True
 
     def __init__(self, directory: str | Path | None = None) -> None:
         self._own = directory is None
@@ -134,10 +154,11 @@ class CheckpointTransport:
         os.replace(staging, self.directory)
         return sum(t.numel() * t.element_size() for t in state.values())
 
-    async def push(self, engine: VLLMEngine, plan: BucketPlan, tensors: NamedTensors) -> int:
-        written = await asyncio.to_thread(self._write, tensors)
+    async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
+        return await asyncio.to_thread(self._write, tensors)
+
+    async def load(self, engine: VLLMEngine, plan: BucketPlan) -> None:
         await engine.rpc("rollflow_load_path", str(self.directory))
-        return written
 
     async def aclose(self) -> None:
         if self._own:
@@ -148,12 +169,18 @@ class NullTransport:
     """Moves nothing: for controller tests and benchmarks with a fake engine."""
 
     name = "null"
+    snapshots = True
 
     async def connect(self, engine: object) -> None:
         return None
 
-    async def push(self, engine: object, plan: BucketPlan, tensors: NamedTensors) -> int:
+    async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
+        for _ in tensors:  # the trainer may gather while yielding; let it finish
+            pass
         return 0
+
+    async def load(self, engine: object, plan: BucketPlan) -> None:
+        return None
 
     async def aclose(self) -> None:
         return None
@@ -192,11 +219,25 @@ async def sync_weights(
     partial: PartialMode = "keep",
     deadline_s: float | None = None,
 ) -> int:
-    """Push one set of weights through `transport` inside the engine's critical section;
-    returns the new engine version. Raises `WeightSyncError` / `WeightSyncTimeout` on failure,
-    with the engine resumed on its previous weights and version."""
+    """Stage one set of weights in `transport`, then load them inside the engine's critical
+    section; returns the new engine version. Raises `WeightSyncError` / `WeightSyncTimeout` on
+    failure, with the engine resumed on its previous weights and version."""
+    await transport.stage(plan, tensors)
+    return await publish(engine, transport, plan, partial=partial, deadline_s=deadline_s)
+
+
+async def publish(
+    engine: VLLMEngine,
+    transport: WeightTransport,
+    plan: BucketPlan,
+    *,
+    partial: PartialMode = "keep",
+    deadline_s: float | None = None,
+) -> int:
+    """Load the weights staged in `transport` inside the engine's critical section; returns the
+    new engine version."""
     return await engine.update_weights_with(
-        lambda: transport.push(engine, plan, tensors), partial=partial, deadline_s=deadline_s
+        lambda: transport.load(engine, plan), partial=partial, deadline_s=deadline_s
     )
 
 
@@ -210,5 +251,6 @@ __all__ = [
     "make_transport",
     "plan_buckets",
     "plan_for",
+    "publish",
     "sync_weights",
 ]

@@ -120,6 +120,33 @@ def pack(
         yield index, buffer
 
 
+def bucket_starts(plan: BucketPlan) -> list[int]:
+    """Where each bucket begins when all buckets are laid back to back in one buffer."""
+    starts, at = [], 0
+    for size in plan.bucket_sizes:
+        starts.append(at)
+        at += size
+    return starts
+
+
+def pack_into(plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]], memory: torch.Tensor) -> int:
+    """Copy tensors (in plan order) straight to their places in `memory` (uint8, all buckets back
+    to back; no intermediate bucket buffer); returns bytes written."""
+    starts = bucket_starts(plan)
+    metas = iter(plan.tensors)
+    for name, tensor in tensors:
+        meta = next(metas, None)
+        if meta is None or meta.name != name:
+            raise ValueError(f"tensor {name!r} is not the next one in the bucket plan ({meta and meta.name!r})")
+        if list(tensor.shape) != meta.shape or dtype_name(tensor.dtype) != meta.dtype:
+            raise ValueError(f"{name}: expected {meta.dtype}{meta.shape}, got {tensor.dtype}{list(tensor.shape)}")
+        at = starts[meta.bucket] + meta.offset
+        memory[at : at + meta.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu())
+    if next(metas, None) is not None:
+        raise ValueError("fewer tensors than the bucket plan lists")
+    return plan.total_bytes
+
+
 def unpack(plan: BucketPlan, index: int, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Named views into one bucket buffer (no copy)."""
     if buffer.numel() != plan.bucket_sizes[index]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rollflow.weight_sync.buckets import BucketPlan, pack, unpack
+from rollflow.weight_sync.buckets import BucketPlan, bucket_starts, pack, unpack
 
 PREFIX = "rollflow-weights"
 """Key prefix in the rendezvous store, so the group cannot collide with others on it."""
@@ -64,13 +64,17 @@ class GlooSender:
         """Block until the engine side has joined (it must be asked to join concurrently)."""
         self._group = join(self.host, self.port, 0, self.timeout_s, store=self._store)
 
+    def _send_plan(self, plan: BucketPlan) -> None:
+        assert self._group is not None
+        encoded = torch.frombuffer(bytearray(plan.encode()), dtype=torch.uint8)
+        _broadcast(self._group, torch.tensor([encoded.numel()], dtype=torch.int64))
+        _broadcast(self._group, encoded)
+
     def send(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Send one full set of weights; returns bytes sent."""
         if self._group is None:
             raise RuntimeError("GlooSender.send before connect()")
-        encoded = torch.frombuffer(bytearray(plan.encode()), dtype=torch.uint8)
-        _broadcast(self._group, torch.tensor([encoded.numel()], dtype=torch.int64))
-        _broadcast(self._group, encoded)
+        self._send_plan(plan)
         largest = max(plan.bucket_sizes, default=0)
         if self._scratch.numel() < largest:
             self._scratch = torch.empty(largest, dtype=torch.uint8)
@@ -79,6 +83,15 @@ class GlooSender:
             _broadcast(self._group, buffer)  # complete before the scratch is refilled
             sent += buffer.numel()
         return sent
+
+    def send_packed(self, plan: BucketPlan, memory: torch.Tensor) -> int:
+        """Send weights already packed by `buckets.pack_into` (all buckets back to back)."""
+        if self._group is None:
+            raise RuntimeError("GlooSender.send_packed before connect()")
+        self._send_plan(plan)
+        for start, size in zip(bucket_starts(plan), plan.bucket_sizes, strict=True):
+            _broadcast(self._group, memory[start : start + size])
+        return plan.total_bytes
 
     def send_per_tensor(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Unpacked baseline for benchmarks: one broadcast per tensor."""

@@ -104,12 +104,14 @@ class NcclTransport:
     """Trainer rank 0 (this process, on a GPU) -> vLLM workers over vLLM's NCCL engine."""
 
     name = "nccl"
+    snapshots = False
 
     def __init__(
         self, host: str = "127.0.0.1", port: int = 29600, num_workers: int = 1, buffer_bytes: int = 256 * 1024 * 1024
     ) -> None:
         self.host, self.port, self.num_workers, self.buffer_bytes = host, port, num_workers, buffer_bytes
         self._trainer: Any = None
+        self._staged: list[tuple[str, torch.Tensor]] = []
 
     async def connect(self, engine: Any) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
@@ -123,12 +125,20 @@ class NcclTransport:
             NCCLTrainerWeightTransferEngine.trainer_init, info, client=client, source=empty
         )
 
-    async def push(self, engine: Any, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    async def stage(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        # No copy: the GPU tensors are sent straight from the trainer, so `load` must finish
+        # before the trainer changes them (snapshots = False keeps the controller waiting).
+        self._staged = list(tensors)
+        return plan.total_bytes
+
+    async def load(self, engine: Any, plan: BucketPlan) -> None:
         if self._trainer is None:
             await self.connect(engine)
-        self._trainer.source = plan_source(plan, tensors)
-        await asyncio.to_thread(self._trainer.send_weights)
-        return plan.total_bytes
+        self._trainer.source = plan_source(plan, self._staged)
+        try:
+            await asyncio.to_thread(self._trainer.send_weights)
+        finally:
+            self._staged = []
 
     async def aclose(self) -> None:
         if self._trainer is not None:

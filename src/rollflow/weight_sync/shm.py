@@ -16,7 +16,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from rollflow.weight_sync.buckets import BucketPlan, unpack
+from rollflow.weight_sync.buckets import BucketPlan, bucket_starts, pack_into, unpack
 
 
 class ShmSender:
@@ -32,8 +32,7 @@ class ShmSender:
         return self._segment.name
 
     def write(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy each tensor straight to its place in the segment (the plan's bucket layout, laid
-        back to back; no intermediate bucket buffer); returns bytes written."""
+        """Copy each tensor straight to its place in the segment; returns bytes written."""
         total = plan.total_bytes
         if self._segment is None or self._segment.size < total:
             self.close()
@@ -41,12 +40,7 @@ class ShmSender:
                 name=f"rollflow-{secrets.token_hex(6)}", create=True, size=max(total, 1)
             )
         memory = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=total)
-        starts = _starts(plan)
-        for meta, (name, tensor) in zip(plan.tensors, tensors, strict=True):
-            if meta.name != name:
-                raise ValueError(f"tensor {name!r} is not the next one in the bucket plan ({meta.name!r})")
-            at = starts[meta.bucket] + meta.offset
-            memory[at : at + meta.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        pack_into(plan, tensors, memory)
         del memory
         return total
 
@@ -55,14 +49,6 @@ class ShmSender:
             self._segment.close()
             self._segment.unlink()
             self._segment = None
-
-
-def _starts(plan: BucketPlan) -> list[int]:
-    starts, at = [], 0
-    for size in plan.bucket_sizes:
-        starts.append(at)
-        at += size
-    return starts
 
 
 class _Mapping:
@@ -91,7 +77,7 @@ def read_buckets(name: str, plan: BucketPlan) -> tuple[_Mapping, Iterator[tuple[
     """
     segment = _Mapping(name, max(plan.total_bytes, 1))
     memory = torch.frombuffer(segment.buf, dtype=torch.uint8, count=plan.total_bytes)
-    starts = _starts(plan)
+    starts = bucket_starts(plan)
 
     def views() -> Iterator[tuple[str, torch.Tensor]]:
         for index, size in enumerate(plan.bucket_sizes):
