@@ -181,7 +181,8 @@ async def test_next_step_trains_while_the_engine_loads_the_last_weights(tmp_path
     assert result.steps == 4 and engine.version == 4  # every step's weights reached the engine
     assert len(transport.loads) == 4
     # Step k+1 began while the engine was still loading step k's weights...
-    overlapped = [s for s, (began, ended) in zip(trainer.starts[1:], transport.loads, strict=False) if began <= s < ended]
+    pairs = zip(trainer.starts[1:], transport.loads, strict=False)
+    overlapped = [start for start, (began, ended) in pairs if began <= start < ended]
     assert overlapped, (trainer.starts, transport.loads)
     # ...and the loads never ran two at a time (the staging area is reused).
     for (_, ended), (began, _) in itertools.pairwise(transport.loads):
