@@ -9,6 +9,7 @@ idle fraction (no request generating) for both, the speedup, and last
 `RESULT overlap_speedup=<x> trainer_idle_async=<y>`.
 
     bin/dev python bench/overlap.py [--steps 24] [--max-tokens 64] [--groups 8] [--system-words 400] [--max-lag 2]
+        [--keep DIR]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
+from pathlib import Path
 
 from rollflow.config import load_config
 from rollflow.controller import train
@@ -50,7 +52,8 @@ async def one(max_lag: int, args: argparse.Namespace) -> dict[str, float]:
         ],
     )
     pin(ENGINE_CORE)  # the engine process spawned at start inherits this core
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(args.keep) / ("synchronous" if max_lag == 0 else "asynchronous") if args.keep else scratch
         result = await train(config, out, on_step=lambda _row: pin(CONTROLLER_CORE))
     steady = result.metrics[1:]
     first, last = result.metrics[0], result.metrics[-1]
@@ -92,6 +95,10 @@ if __name__ == "__main__":
     parser.add_argument("--max-lag", type=int, default=2)
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--system-words", type=int, default=400, help="characters of a shared system prompt")
+    parser.add_argument(
+        "--keep", metavar="DIR", help="keep both runs' output in DIR/synchronous and DIR/asynchronous "
+        "(then `python -m rollflow plot DIR/synchronous DIR/asynchronous` draws their timelines)"
+    )
     args = parser.parse_args()
     # The engine process (spawned at start, while this process sits on core 0) keeps core 0 and
     # binds its OpenMP thread there; after the first step this process (controller loop and

@@ -1,7 +1,7 @@
 """`python -m rollflow <command>`: the command line.
 
-Commands: `train` (asynchronous GRPO training) and `generate` (sample and score completions
-from the configured model and task).
+Commands: `train` (asynchronous GRPO training), `generate` (sample and score completions
+from the configured model and task), `plot` and `report` (charts and a summary of finished runs).
 User errors (config, data, model path, arguments) print one line naming what is wrong and
 exit with code 2, without a traceback. This module parses arguments and prints; the work
 happens in the library.
@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--output-dir", type=Path, required=True, help="where config.toml, metrics.jsonl, ledger.jsonl go"
     )
+    plot = commands.add_parser("plot", help="write PNG charts of finished runs (timeline, reward, staleness)")
+    plot.add_argument("runs", nargs="+", type=Path, metavar="DIR", help="output directories of training runs")
+    plot.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: the (first) run directory)")
+    report = commands.add_parser("report", help="print a summary table of a finished run")
+    report.add_argument("run", type=Path, metavar="DIR", help="output directory of a training run")
     gen = commands.add_parser("generate", help="sample completions for task prompts and score them")
     _add_config_args(gen)
     gen.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
@@ -155,6 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     try:
+        if args.command == "plot":
+            from rollflow.plots import plot
+
+            for path in plot(args.runs, args.out):
+                print(path)
+            return 0
+        if args.command == "report":
+            from rollflow.plots import report
+
+            print(report(args.run))
+            return 0
         _use_uvloop()
         if args.command == "generate":
             return asyncio.run(_generate(args))

@@ -247,6 +247,28 @@ class RunConfig(_Section, frozen=True):
     core of its own."""
 
 
+class ObserveConfig(_Section, frozen=True):
+    sinks: list[Literal["console", "tensorboard", "wandb"]] = msgspec.field(default_factory=lambda: ["console"])
+    """Where per-step metrics go besides `metrics.jsonl` (always written): `console` (the progress
+    line), `tensorboard` (event files under `tensorboard/`; needs the `tensorboard` package),
+    `wandb` (Weights & Biases; needs `wandb`)."""
+
+    trace: bool = True
+    """Write `trace.json`: a Chrome trace-event timeline of the run (opens in ui.perfetto.dev)."""
+
+    trace_max_events: PosInt = 200_000
+    """Events kept in the trace (a ring buffer: the newest are kept, the count dropped is noted)."""
+
+    wandb_project: str = "rollflow"
+    """Weights & Biases project."""
+
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """`offline` writes the run under the output directory (`wandb sync` uploads it later)."""
+
+    loop_probe_s: Annotated[float, msgspec.Meta(gt=0.0)] = 0.05
+    """How often the event-loop lag is sampled (a timer that should fire on time)."""
+
+
 class Config(_Section, frozen=True):
     model: ModelConfig = ModelConfig()
     """The policy model."""
@@ -271,6 +293,9 @@ class Config(_Section, frozen=True):
 
     run: RunConfig = RunConfig()
     """The training run: steps, batch, staleness bound, weight transport, reward."""
+
+    observe: ObserveConfig = ObserveConfig()
+    """Metrics sinks and the timeline trace."""
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -34,11 +34,13 @@ from rollflow.engine.vllm import VLLMEngine
 from rollflow.errors import EngineDeadError, EngineError, UserInputError
 from rollflow.evaluate import EvalReport, evaluate, sampling_spec
 from rollflow.handoff import Step, Stop, Sync, broadcast, train_sample
+from rollflow.metrics import JsonlSink, LoopLag, histogram, make_sinks
 from rollflow.models import chat_encoder, load_tokenizer, resolve_model
-from rollflow.records import Group, Prompt, TrainBatch
+from rollflow.records import Group, Prompt, Sample, TrainBatch
 from rollflow.rollout import rollout
 from rollflow.sampler import Sampler
 from rollflow.scoring import make_scorer
+from rollflow.trace import Trace
 from rollflow.trainer import Trainer
 from rollflow.weight_sync import make_transport, plan_for, publish
 
@@ -67,20 +69,6 @@ class RunResult(msgspec.Struct):
     eval_after: EvalReport | None = None
     engine_busy_s: float = 0.0
     """Wall time with at least one group generating."""
-
-
-class _Jsonl:
-    """Append-only JSON lines, flushed per line (a crash loses at most the line being written)."""
-
-    def __init__(self, path: Path) -> None:
-        self._file = path.open("ab")
-
-    def write(self, obj: Any) -> None:
-        self._file.write(msgspec.json.encode(obj) + b"\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
 
 
 class Controller:
@@ -136,9 +124,14 @@ class Controller:
             )
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.toml").write_text(dump_config(cfg))
-        self.metrics_file = _Jsonl(self.output_dir / "metrics.jsonl")
-        self.ledger = _Jsonl(self.output_dir / "ledger.jsonl")
         began = time.monotonic()
+        self.trace = Trace(cfg.observe.trace_max_events, began=began)
+        self.loop_lag = LoopLag(cfg.observe.loop_probe_s)
+        self.sinks = make_sinks(
+            cfg.observe.sinks, self.output_dir, total_steps=cfg.run.max_steps, project=cfg.observe.wandb_project,
+            mode=cfg.observe.wandb_mode, config=msgspec.to_builtins(cfg),
+        )
+        self.ledger = JsonlSink(self.output_dir / "ledger.jsonl")
         given = self._given
         needs_model = any(given[k] is None for k in ("tokenizer", "trainer", "engine"))
         model_path = resolve_model(cfg.model.path) if needs_model else Path(cfg.model.path)
@@ -168,11 +161,13 @@ class Controller:
                 eval_before = await self._evaluate()
             async with asyncio.TaskGroup() as tg:
                 producer = tg.create_task(self._produce(tg), name="producer")
+                probe = tg.create_task(self.loop_lag.run(), name="loop-lag")
                 try:
                     await self._train(tg, metrics, began)
                 finally:
                     await self.admission.close()
                     producer.cancel()
+                    probe.cancel()
                     for task in self._inflight.values():
                         task.cancel()
             if cfg.run.eval_prompts:
@@ -184,8 +179,11 @@ class Controller:
             self._trainer_thread.shutdown(wait=False)
             await self.transport.aclose()
             await self.engine.aclose()
-            self.metrics_file.close()
+            for sink in self.sinks:
+                sink.close()
             self.ledger.close()
+            if cfg.observe.trace:
+                self.trace.write(self.output_dir / "trace.json")
         return RunResult(
             steps=len(metrics),
             wall_s=time.monotonic() - began,
@@ -222,10 +220,7 @@ class Controller:
         cfg = self.config
         # Owned here: awaited together below, and cancelled together if any fails.
         tasks = [
-            asyncio.create_task(
-                rollout(self.engine, prompt, self.spec, group_id=group_id, index=i, partial=cfg.rollout.partial),
-                name=f"rollout-{group_id}/{i}",
-            )
+            asyncio.create_task(self._rollout(prompt, group_id, i), name=f"rollout-{group_id}/{i}")
             for i in range(cfg.rollout.group_size)
         ]
         try:
@@ -247,14 +242,38 @@ class Controller:
         scored = []
         for sample in samples:
             self._generated_tokens += sample.num_tokens
+            began = time.monotonic()
             text = self.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
             reward, reason = self.score(prompt, text)
+            self.trace.span(
+                "reward", "reward", began, time.monotonic(), prompt=prompt.id, sample=sample.index, reward=reward,
+                unscorable=reason,
+            )
             scored.append(msgspec.structs.replace(sample, reward=reward, unscorable=reason))
         if all(s.reward is None for s in scored):
             self._drop(prompt.id, f"unscorable: {scored[0].unscorable}")
             return
         adv = group_advantages([s.reward for s in scored], estimator=cfg.loss.advantage, scale_std=cfg.loss.scale_std)
         await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages))
+
+    async def _rollout(self, prompt: Prompt, group_id: str, index: int) -> Sample:
+        lane = self.trace.lane()
+        version, began = self.engine.version, time.monotonic()
+        try:
+            sample = await rollout(
+                self.engine, prompt, self.spec, group_id=group_id, index=index, partial=self.config.rollout.partial
+            )
+        except BaseException:
+            self.trace.span("generate (ended early)", lane, began, time.monotonic(), prompt=prompt.id, sample=index)
+            raise
+        finally:
+            self.trace.release(lane)
+        self.trace.span(
+            "generate", lane, began, time.monotonic(), prompt=prompt.id, sample=index, tokens=sample.num_tokens,
+            version_start=sample.versions[0] if sample.versions else version,
+            version_end=sample.versions[-1] if sample.versions else version, interruptions=sample.interruptions,
+        )
+        return sample
 
     def _busy_total(self) -> float:
         """Engine busy time so far, counting the current busy stretch."""
@@ -272,13 +291,15 @@ class Controller:
     def _batch(self, step: int, groups: list[Group]) -> tuple[TrainBatch, dict[str, Any]]:
         """Build the step's batch; withhold tokens whose lag exceeds max_lag."""
         max_lag = self.config.run.max_lag
-        samples, all_lags, sample_lags, withheld, unscorable = [], [], [], 0, 0
+        samples, all_lags, sample_lags, withheld = [], [], [], 0
         loss_lag_max = 0
-        rewards = []
+        rewards: list[float] = []
+        unscorable: dict[str, int] = {}
         for group in groups:
             for sample, advantage in zip(group.samples, group.advantages, strict=True):
                 if sample.reward is None:
-                    unscorable += 1
+                    reason = sample.unscorable or "unknown"
+                    unscorable[reason] = unscorable.get(reason, 0) + 1
                     continue
                 rewards.append(sample.reward)
                 mask, n = withhold_stale(sample.versions, sample.loss_mask, step, max_lag)
@@ -293,67 +314,77 @@ class Controller:
         stats = {
             "reward_mean": mean,
             "reward_std": std,
+            "rewards": {self.config.run.reward: {"mean": mean, "std": std}},
             "samples": len(samples),
             "tokens": sum(s.num_completion for s in samples),
             "lag_mean": sum(all_lags) / len(all_lags) if all_lags else 0.0,
             "lag_max": max(all_lags, default=0),
+            "lag_hist": histogram(all_lags),
             "sample_lag_max": max(sample_lags, default=0),
+            "sample_lag_hist": histogram(sample_lags),
             "withheld_tokens": withheld,
+            "withheld_by_reason": {f"lag > {max_lag}": withheld} if withheld else {},
             "loss_lag_max": loss_lag_max,
-            "unscorable": unscorable,
+            "unscorable": sum(unscorable.values()),
+            "unscorable_by_reason": unscorable,
         }
         return TrainBatch(step=step, samples=samples, max_tokens=self.config.sampling.max_tokens), stats
 
     async def _train(self, tg: asyncio.TaskGroup, metrics: list[dict[str, Any]], began: float) -> None:
-        from rich.console import Console
-
-        console = Console(stderr=True)
         run = self.config.run
+        loop = asyncio.get_running_loop()
         for step in range(run.max_steps):
             t0 = time.monotonic()
-            tokens_before = self._generated_tokens
+            tokens_before, busy_before = self._generated_tokens, self._busy_total()
             groups = await self.buffer.take(run.groups_per_step)
             self._stepping = groups  # out of the buffer, not yet in the ledger
             t_batch = time.monotonic()
             batch, stats = self._batch(step, groups)
+            trained: dict[str, float] = {}
             if batch.samples:
-                trained = await asyncio.get_running_loop().run_in_executor(self._trainer_thread, self._step, batch)
-            else:
-                trained = {}
+                trained = await loop.run_in_executor(self._trainer_thread, self._step, batch)
             t_step = time.monotonic()
+            self.trace.span("train step", "trainer", t_batch, t_step, step=step, samples=stats["samples"])
+            for i, (start, end, n_samples, n_tokens) in enumerate(getattr(self.trainer, "micro_batches", [])):
+                self.trace.span("micro-batch", "trainer", start, end, step=step, index=i, samples=n_samples,
+                                tokens=n_tokens)
             staged_bytes = await self._publish(tg)
             t_sync = time.monotonic()
+            self.trace.span("stage weights", "weight sync", t_step, t_sync, step=step, bytes=staged_bytes)
             for group in groups:
                 self.ledger.write(LedgerEntry(id=group.prompt.id, outcome="trained", step=step))
             self._trained += len(groups)
             self._stepping = []
             interval = t_sync - t0
+
+            def per_s(amount: float, interval: float = interval) -> float:
+                return amount / interval if interval > 0 else 0.0
+
+            busy = self._busy_total()
             row = {
                 "step": step,
                 "version": step + 1,
                 **stats,
                 "ratio_mean": trained.get("ratio_mean", 1.0),
-                "trainer_idle_frac": (t_batch - t0) / interval if interval > 0 else 0.0,
-                "gen_tokens_per_s": (self._generated_tokens - tokens_before) / interval if interval > 0 else 0.0,
+                "trainer_idle_frac": per_s(t_batch - t0),
+                "engine_idle_frac": max(0.0, 1.0 - per_s(busy - busy_before)),
+                "gen_tokens_per_s": per_s(self._generated_tokens - tokens_before),
+                "trained_tokens_per_s": per_s(stats["tokens"]),
+                "samples_per_s": per_s(stats["samples"]),
                 "weight_sync_s": t_sync - t_step,
                 "weight_sync_bytes": staged_bytes,
                 "engine_update_s": self._last_update_s,
                 "batch_wait_s": t_batch - t0,
                 "train_step_s": t_step - t_batch,
                 "buffer_groups": len(self.buffer),
-                "engine_busy_s": self._busy_total(),
+                "engine_busy_s": busy,
+                **self.loop_lag.take(),
                 "wall_s": t_sync - began,
                 **{k: v for k, v in trained.items() if k != "ratio_mean"},
             }
             metrics.append(row)
-            self.metrics_file.write(row)
-            console.print(
-                f"step {step + 1}/{run.max_steps}  reward {row['reward_mean']:.3f}  lag {row['lag_mean']:.2f}"
-                f" (max {row['lag_max']})  ratio {row['ratio_mean']:.4f}  idle {row['trainer_idle_frac']:.0%}"
-                f"  {row['gen_tokens_per_s']:.0f} tok/s  sync {row['weight_sync_s']:.2f}s",
-                highlight=False,
-                soft_wrap=True,
-            )
+            for sink in self.sinks:
+                sink.write(row)
             if self.on_step is not None:
                 self.on_step(row)
         await self.admission.close()  # no step is left to consume new samples
@@ -380,7 +411,7 @@ class Controller:
             began = time.monotonic()
             weights = self.trainer.adapter_weights()
             await self.engine.update_adapter(weights, self.trainer.adapter_config(), partial=cfg.rollout.partial)
-            self._last_update_s = time.monotonic() - began
+            self._updated(began)
             await self.admission.advance(self.engine.version)
             return sum(t.numel() * t.element_size() for t in weights.values())
         if self.trainer.world_size > 1:
@@ -394,8 +425,13 @@ class Controller:
     async def _load_into_engine(self) -> None:
         began = time.monotonic()
         await publish(self.engine, self.transport, self.plan, partial=self.config.rollout.partial)
-        self._last_update_s = time.monotonic() - began
+        self._updated(began)
         await self.admission.advance(self.engine.version)
+
+    def _updated(self, began: float) -> None:
+        now = time.monotonic()
+        self._last_update_s = now - began
+        self.trace.span("engine update", "engine update", began, now, version=self.engine.version)
 
     async def _evaluate(self) -> EvalReport:
         cfg = self.config

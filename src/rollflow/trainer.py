@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,8 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
         self.steps = 0
+        self.micro_batches: list[tuple[float, float, int, int]] = []
+        """(start, end, samples, tokens) of each micro-batch of the last step (monotonic seconds)."""
 
     def _shard(self, module: PolicyHead) -> PolicyHead:
         """FSDP2 over ranks: each decoder layer is its own unit, the rest belongs to the root."""
@@ -297,10 +300,12 @@ class Trainer:
         # loss, tokens, ratio, clip, IS-masked, mismatch KL, entropy, ref KL, outside support
         sums = torch.zeros(9, dtype=torch.float64)
         low, high = torch.tensor([math.inf], dtype=torch.float64), torch.tensor([-math.inf], dtype=torch.float64)
+        self.micro_batches = []
         for i in range(passes):
             if i >= len(mine):
                 self._empty_pass()
                 continue
+            began = time.monotonic()
             micro = [samples[j] for j in mine[i]]
             t = self._tensors(micro)
             logprobs, entropy = self._logprobs(self.module, t, sampling)
@@ -357,6 +362,7 @@ class Trainer:
             if n:
                 low[0] = min(low.item(), m["ratio_min"].item())
                 high[0] = max(high.item(), m["ratio_max"].item())
+            self.micro_batches.append((began, time.monotonic(), len(micro), int(n)))
         return sums, low, high
 
     @torch.no_grad()
@@ -471,14 +477,16 @@ class FakeTrainer:
         self.step_s = step_s
         self.batches: list[TrainBatch] = []
         self.lm = nn.Module()  # no parameters: nothing to sync
+        self.micro_batches: list[tuple[float, float, int, int]] = []
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
+        began = time.monotonic()
         if self.step_s:
-            import time
-
             # Stands for the compute of a real step: it runs in the controller's worker thread.
             time.sleep(self.step_s)
         self.batches.append(batch)
+        tokens = sum(sum(s.loss_mask) for s in batch.samples)
+        self.micro_batches = [(began, time.monotonic(), len(batch.samples), tokens)]
         return {"ratio_mean": 1.0, "loss": 0.0}
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -24,31 +24,97 @@ def assert_exactly_once(entries, result):
     assert all(e["reason"].startswith("run ended") for e in entries if e["outcome"] == "dropped")
 
 
-async def test_async_max_lag_2_never_trains_a_token_older_than_the_bound(tmp_path):
-    config = load_config(preset="tiny", overrides=["run.max_lag=2", "run.max_steps=8"])
-    result = await train(config, tmp_path)
+@pytest.fixture(scope="module")
+async def async_run(tmp_path_factory):
+    """An 8-step asynchronous tiny run (max_lag 2) with the TensorBoard sink on."""
+    out = tmp_path_factory.mktemp("asynchronous")
+    config = load_config(
+        preset="tiny", overrides=["run.max_lag=2", "run.max_steps=8", 'observe.sinks=["console","tensorboard"]']
+    )
+    return config, await train(config, out), out
+
+
+@pytest.fixture(scope="module")
+async def sync_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synchronous")
+    return await train(load_config(preset="tiny", overrides=["run.max_lag=0", "run.max_steps=5"]), out), out
+
+
+async def test_async_max_lag_2_never_trains_a_token_older_than_the_bound(async_run):
+    config, result, out = async_run
     assert result.steps == 8
     assert all(m["loss_lag_max"] <= 2 for m in result.metrics)
     assert max(m["lag_max"] for m in result.metrics) >= 1  # it did run ahead of the trainer
-    assert_exactly_once(ledger(tmp_path), result)
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert_exactly_once(ledger(out), result)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 8
     for key in ("step", "version", "reward_mean", "reward_std", "samples", "tokens", "lag_mean", "lag_max",
                 "withheld_tokens", "unscorable", "ratio_mean", "trainer_idle_frac", "gen_tokens_per_s",
-                "weight_sync_s", "wall_s"):
+                "weight_sync_s", "wall_s", "engine_idle_frac", "trained_tokens_per_s", "samples_per_s",
+                "weight_sync_bytes", "buffer_groups", "lag_hist", "sample_lag_hist", "ratio_min", "ratio_max",
+                "rewards", "unscorable_by_reason", "withheld_by_reason", "loop_lag_ms_max"):
         assert key in json.loads(lines[0]), key
-    assert (tmp_path / "config.toml").read_text() == __import__("rollflow.config").config.dump_config(config)
+    assert (out / "config.toml").read_text() == __import__("rollflow.config").config.dump_config(config)
 
 
-async def test_synchronous_mode_is_on_policy(tmp_path):
-    config = load_config(preset="tiny", overrides=["run.max_lag=0", "run.max_steps=5"])
-    result = await train(config, tmp_path)
+async def test_synchronous_mode_is_on_policy(sync_run):
+    result, out = sync_run
     for m in result.metrics:
         assert m["lag_max"] == 0 and m["withheld_tokens"] == 0
         # Engine and trainer hold the same float32 weights: every importance ratio is 1.
         assert abs(m["ratio_min"] - 1) < 1e-3 and abs(m["ratio_max"] - 1) < 1e-3
-    assert_exactly_once(ledger(tmp_path), result)
-    assert [e for e in ledger(tmp_path) if e["outcome"] == "dropped"] == []
+    assert_exactly_once(ledger(out), result)
+    assert [e for e in ledger(out) if e["outcome"] == "dropped"] == []
+
+
+def test_trace_of_a_real_run_is_trace_event_json_with_every_span_kind(async_run):
+    _, result, out = async_run
+    data = json.loads((out / "trace.json").read_text())
+    events = data["traceEvents"]
+    for e in events:
+        assert e["ph"] in ("X", "M") and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        if e["ph"] == "X":
+            assert isinstance(e["name"], str) and e["ts"] >= 0 and e["dur"] >= 0
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X"]
+    kinds = {e["name"] for e in spans}
+    assert {"generate", "reward", "train step", "micro-batch", "stage weights", "engine update"} <= kinds
+    assert sum(e["name"] == "train step" for e in spans) == 8
+    assert sum(e["name"] == "engine update" for e in spans) == 8
+    generated = [e for e in spans if e["name"] == "generate"]
+    assert all(tracks[e["tid"]].startswith("generate") for e in generated)
+    assert all(0 <= e["args"]["version_start"] <= e["args"]["version_end"] <= 8 for e in generated)
+    assert sum(e["args"]["tokens"] for e in generated) >= sum(m["tokens"] for m in result.metrics)
+    assert data["otherData"]["dropped_events"] == 0
+
+
+def test_plot_and_report_of_real_runs(async_run, sync_run, tmp_path):
+    from rollflow.__main__ import main
+
+    _, result, out = async_run
+    _, sync_out = sync_run
+    assert main(["plot", str(sync_out), str(out), "--out", str(tmp_path)]) == 0
+    pngs = sorted(tmp_path.rglob("*.png"))
+    assert {p.name for p in pngs} == {"timeline.png", "reward.png", "staleness.png", "throughput.png",
+                                      "timeline_compare.png"}
+    assert len(pngs) == 9
+    for png in pngs:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000, png
+    from rollflow.plots import report
+
+    text = report(out)
+    assert "8 (max_lag 2)" in text and f"{result.trained_prompts} trained" in text and "0 duplicates" in text
+
+
+def test_tensorboard_sink_of_a_real_run(async_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, result, out = async_run
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    rewards = [e.value for e in events.Scalars("reward_mean")]
+    assert rewards == pytest.approx([m["reward_mean"] for m in result.metrics], rel=1e-6)
+    assert {"lag_hist/0", "trainer_idle_frac", "engine_idle_frac", "weight_sync_s"} <= set(events.Tags()["scalars"])
 
 
 async def test_tiny_preset_learns_its_reward(tmp_path):

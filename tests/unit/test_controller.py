@@ -154,20 +154,23 @@ class _SlowLoad(NullTransport):
 
 
 class _TimedTrainer(FakeTrainer):
-    """Records when each step began, on which thread, bound to which cores."""
+    """Records when each step ran, on which thread, bound to which cores."""
 
     def __init__(self, step_s: float) -> None:
         super().__init__(step_s)
-        self.starts: list[float] = []
+        self.steps: list[tuple[float, float]] = []
         self.threads: set[int] = set()
         self.cpus: list[set[int]] = []
 
     def step(self, batch):
-        self.starts.append(time.monotonic())
+        began = time.monotonic()
         self.threads.add(threading.get_native_id())
         if hasattr(os, "sched_getaffinity"):
             self.cpus.append(os.sched_getaffinity(0))
-        return super().step(batch)
+        try:
+            return super().step(batch)
+        finally:
+            self.steps.append((began, time.monotonic()))
 
 
 @pytest.mark.timeout(60)
@@ -180,10 +183,10 @@ async def test_next_step_trains_while_the_engine_loads_the_last_weights(tmp_path
     result = await asyncio.wait_for(controller.run(), 60)
     assert result.steps == 4 and engine.version == 4  # every step's weights reached the engine
     assert len(transport.loads) == 4
-    # Step k+1 began while the engine was still loading step k's weights...
-    pairs = zip(trainer.starts[1:], transport.loads, strict=False)
-    overlapped = [start for start, (began, ended) in pairs if began <= start < ended]
-    assert overlapped, (trainer.starts, transport.loads)
+    # Step k+1 ran while the engine was still loading step k's weights...
+    pairs = zip(trainer.steps[1:], transport.loads, strict=False)
+    overlapped = [step for step, load in pairs if step[0] < load[1] and load[0] < step[1]]
+    assert overlapped, (trainer.steps, transport.loads)
     # ...and the loads never ran two at a time (the staging area is reused).
     for (_, ended), (began, _) in itertools.pairwise(transport.loads):
         assert began >= ended

@@ -1,0 +1,211 @@
+"""Metrics, sinks, the trace, plots and the report, against runs whose timing a fake engine sets."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import json
+import time
+
+import pytest
+from test_controller import FakeTokenizer, config, run_fake
+
+from rollflow.controller import Controller
+from rollflow.engine.fake import FakeEngine
+from rollflow.metrics import ConsoleSink, JsonlSink, LoopLag, TensorBoardSink, flatten, histogram
+from rollflow.plots import lag_histogram, plot, report, union
+from rollflow.trace import Trace, load_trace
+from rollflow.trainer import FakeTrainer
+from rollflow.weight_sync import NullTransport
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def steady(result):
+    return result.metrics[1:]
+
+
+def mean(values):
+    values = list(values)
+    return sum(values) / len(values)
+
+
+@pytest.mark.timeout(60)
+async def test_synchronous_run_idles_each_side_for_the_others_share(tmp_path):
+    # 12 tokens at 10 ms each: ≈ 0.12 s of generation per step, then a 0.12 s trainer step.
+    # Synchronous, so each side waits for the other: both idle about half the time.
+    engine, trainer = FakeEngine(token_delay=0.01), FakeTrainer(step_s=0.12)
+    result, _, _, _ = await run_fake(tmp_path, engine, trainer, max_lag=0, max_steps=6)
+    trainer_idle = mean(m["trainer_idle_frac"] for m in steady(result))
+    engine_idle = mean(m["engine_idle_frac"] for m in steady(result))
+    assert 0.3 < trainer_idle < 0.7, trainer_idle
+    assert 0.3 < engine_idle < 0.7, engine_idle
+    for m in result.metrics:
+        assert m["lag_hist"] == {"0": m["tokens"]} and m["sample_lag_hist"] == {"0": m["samples"]}
+        assert m["samples_per_s"] == pytest.approx(m["samples"] / (m["batch_wait_s"] + m["train_step_s"]
+                                                                  + m["weight_sync_s"]), rel=0.05)
+
+
+@pytest.mark.timeout(60)
+async def test_asynchronous_run_with_a_slow_trainer_keeps_the_trainer_busy(tmp_path):
+    # Generation (≈ 12 ms a step) is far faster than training (0.1 s): with max_lag 2 the
+    # trainer never waits after the first step, the engine idles most of the time, and the
+    # batches are stale by up to 2 versions.
+    engine, trainer = FakeEngine(token_delay=0.001), FakeTrainer(step_s=0.1)
+    result, trainer, _, _ = await run_fake(tmp_path, engine, trainer, max_lag=2, max_steps=6)
+    assert mean(m["trainer_idle_frac"] for m in steady(result)) < 0.1
+    assert mean(m["engine_idle_frac"] for m in steady(result)) > 0.6
+    hist = lag_histogram(result.metrics)
+    assert max(hist) == 2 and sum(hist.values()) == sum(m["tokens"] for m in result.metrics)
+    for m, batch in zip(result.metrics, trainer.batches, strict=True):
+        assert sum(m["lag_hist"].values()) == sum(len(s.logprobs) for s in batch.samples)
+        assert sum(m["sample_lag_hist"].values()) == len(batch.samples)
+
+
+@pytest.mark.timeout(60)
+async def test_metrics_count_unscorable_samples_by_reason(tmp_path):
+    controller = Controller(
+        config(max_steps=3), tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
+        tokenizer=FakeTokenizer(),
+    )
+    scored = {"n": 0, "unscorable": 0}
+
+    def score(prompt, text):  # every third sample has no reward
+        scored["n"] += 1
+        if scored["n"] % 3 == 0:
+            scored["unscorable"] += 1
+            return None, "reward error: ValueError: no number"
+        return 0.5, None
+
+    controller.score = score
+    result = await asyncio.wait_for(controller.run(), 60)
+    counted = sum(m["unscorable"] for m in result.metrics)
+    assert counted > 0
+    assert all(m["unscorable_by_reason"] == ({"reward error: ValueError: no number": m["unscorable"]}
+                                             if m["unscorable"] else {}) for m in result.metrics)
+    assert all(m["samples"] + m["unscorable"] == 16 for m in result.metrics)
+
+
+def test_flatten_and_histogram():
+    assert flatten({"a": 1, "h": {"0": 3, "1": 2}, "s": "text", "b": True}) == {"a": 1.0, "h/0": 3.0, "h/1": 2.0,
+                                                                                "b": 1.0}
+    assert histogram([2, 0, 2, 1, 2]) == {"0": 1, "1": 1, "2": 3}
+
+
+def test_console_sink_prints_a_line_per_step_when_not_a_terminal():
+    out = io.StringIO()
+    sink = ConsoleSink(3, stream=out)
+    row = {"step": 0, "reward_mean": 0.25, "lag_mean": 0.5, "lag_max": 1, "trainer_idle_frac": 0.1,
+           "engine_idle_frac": 0.2, "gen_tokens_per_s": 900.0, "weight_sync_s": 0.01}
+    sink.write(row)
+    sink.close()
+    assert out.getvalue().startswith("step 1/3  reward 0.250  lag 0.50 (max 1)")
+
+
+def test_jsonl_sink_appends_and_flushes(tmp_path):
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.write({"step": 0, "lag_hist": {"0": 4}})
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {"step": 0, "lag_hist": {"0": 4}}
+    sink.close()
+
+
+def test_tensorboard_sink_writes_events_tensorboard_reads(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    for step in range(3):
+        sink.write({"step": step, "reward_mean": 0.1 * step, "lag_hist": {"0": 5, "1": step}})
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"reward_mean", "lag_hist/0", "lag_hist/1"} <= set(events.Tags()["scalars"])
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("reward_mean")] == [(0, 0.0), (1, 0.1), (2, 0.2)]
+    assert [e.value for e in events.Scalars("lag_hist/1")] == [0, 1, 2]
+
+
+def test_wandb_sink_logs_offline_under_the_run_directory(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from rollflow.metrics import WandbSink
+
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    sink = WandbSink(tmp_path, project="rollflow-test", mode="offline", config={"run": {"max_lag": 1}})
+    for step in range(2):
+        sink.write({"step": step, "reward_mean": 0.5, "rewards": {"digits": {"mean": 0.5}}})
+    sink.close()
+    files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    data = files[0].read_bytes()
+    # The run file holds protobuf records; the logged keys appear in them verbatim.
+    assert b"reward_mean" in data and b"rewards/digits/mean" in data
+
+
+def test_trace_keeps_the_newest_events_and_writes_trace_event_json(tmp_path):
+    trace = Trace(max_events=5, began=100.0)
+    lane_a, lane_b = trace.lane(), trace.lane()
+    assert (lane_a, lane_b) == ("generate 0", "generate 1")
+    trace.release(lane_a)
+    assert trace.lane() == "generate 0"  # the lowest free lane is reused
+    for i in range(8):
+        trace.span("train step", "trainer", 100.0 + i, 100.5 + i, step=i)
+    assert trace.recorded == 8 and trace.dropped == 3
+    trace.write(tmp_path / "trace.json")
+    data = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert [e["args"]["step"] for e in spans] == [3, 4, 5, 6, 7]
+    assert spans[0]["ts"] == 3_000_000 and spans[0]["dur"] == 500_000
+    assert data["otherData"]["dropped_events"] == 3
+    loaded = load_trace(tmp_path / "trace.json")
+    assert loaded["spans"][0]["track"] == "trainer" and loaded["spans"][0]["end"] == pytest.approx(3.5)
+
+
+def test_load_trace_rejects_other_json(tmp_path):
+    (tmp_path / "trace.json").write_text('{"events": []}')
+    with pytest.raises(ValueError, match="traceEvents"):
+        load_trace(tmp_path / "trace.json")
+
+
+@pytest.mark.timeout(30)
+async def test_loop_lag_sees_a_blocked_loop():
+    probe = LoopLag(every_s=0.01)
+    task = asyncio.create_task(probe.run())
+    await asyncio.sleep(0.05)
+    time.sleep(0.2)  # blocks the event loop on purpose
+    await asyncio.sleep(0.05)
+    task.cancel()
+    lag = probe.take()
+    assert lag["loop_lag_ms_max"] >= 150
+    assert probe.take() == {"loop_lag_ms_mean": 0.0, "loop_lag_ms_max": 0.0}
+
+
+def test_union_merges_overlapping_intervals():
+    assert union([(3, 4), (0, 1), (0.5, 2), (2, 2.5)]) == [(0, 2.5), (3, 4)]
+
+
+@pytest.mark.timeout(60)
+async def test_fake_run_trace_plot_and_report(tmp_path):
+    engine, trainer = FakeEngine(token_delay=0.002), FakeTrainer(step_s=0.02)
+    result, _, _, _ = await run_fake(tmp_path / "run", engine, trainer, max_lag=1, max_steps=4)
+    spans = load_trace(tmp_path / "run" / "trace.json")["spans"]
+    names = {s["name"] for s in spans}
+    assert {"generate", "reward", "train step", "micro-batch", "stage weights", "engine update"} <= names
+    steps = [s for s in spans if s["name"] == "train step"]
+    assert len(steps) == 4
+    for s in spans:
+        if s["name"] == "generate":
+            assert s["track"].startswith("generate ") and s["args"]["tokens"] > 0
+    # Concurrent requests never share a lane.
+    by_lane: dict[str, list] = {}
+    for s in spans:
+        if s["track"].startswith("generate"):
+            by_lane.setdefault(s["track"], []).append((s["start"], s["end"]))
+    for intervals in by_lane.values():
+        intervals.sort()
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(intervals))
+    paths = plot([tmp_path / "run"])
+    assert {p.name for p in paths} == {"timeline.png", "reward.png", "staleness.png", "throughput.png"}
+    assert all(p.read_bytes().startswith(PNG) and p.stat().st_size > 5_000 for p in paths)
+    text = report(tmp_path / "run")
+    assert "steps               4 (max_lag 1)" in text or "4 (max_lag 1)" in text
+    assert f"{result.trained_prompts} trained" in text and "0 duplicates" in text
