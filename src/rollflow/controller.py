@@ -128,8 +128,12 @@ class Controller:
         self.trace = Trace(cfg.observe.trace_max_events, began=began)
         self.loop_lag = LoopLag(cfg.observe.loop_probe_s)
         self.sinks = make_sinks(
-            cfg.observe.sinks, self.output_dir, total_steps=cfg.run.max_steps, project=cfg.observe.wandb_project,
-            mode=cfg.observe.wandb_mode, config=msgspec.to_builtins(cfg),
+            cfg.observe.sinks,
+            self.output_dir,
+            total_steps=cfg.run.max_steps,
+            project=cfg.observe.wandb_project,
+            mode=cfg.observe.wandb_mode,
+            config=msgspec.to_builtins(cfg),
         )
         self.ledger = JsonlSink(self.output_dir / "ledger.jsonl")
         given = self._given
@@ -246,7 +250,13 @@ class Controller:
             text = self.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
             reward, reason = self.score(prompt, text)
             self.trace.span(
-                "reward", "reward", began, time.monotonic(), prompt=prompt.id, sample=sample.index, reward=reward,
+                "reward",
+                "reward",
+                began,
+                time.monotonic(),
+                prompt=prompt.id,
+                sample=sample.index,
+                reward=reward,
                 unscorable=reason,
             )
             scored.append(msgspec.structs.replace(sample, reward=reward, unscorable=reason))
@@ -269,9 +279,16 @@ class Controller:
         finally:
             self.trace.release(lane)
         self.trace.span(
-            "generate", lane, began, time.monotonic(), prompt=prompt.id, sample=index, tokens=sample.num_tokens,
+            "generate",
+            lane,
+            began,
+            time.monotonic(),
+            prompt=prompt.id,
+            sample=index,
+            tokens=sample.num_tokens,
             version_start=sample.versions[0] if sample.versions else version,
-            version_end=sample.versions[-1] if sample.versions else version, interruptions=sample.interruptions,
+            version_end=sample.versions[-1] if sample.versions else version,
+            interruptions=sample.interruptions,
         )
         return sample
 
@@ -346,8 +363,9 @@ class Controller:
             t_step = time.monotonic()
             self.trace.span("train step", "trainer", t_batch, t_step, step=step, samples=stats["samples"])
             for i, (start, end, n_samples, n_tokens) in enumerate(getattr(self.trainer, "micro_batches", [])):
-                self.trace.span("micro-batch", "trainer", start, end, step=step, index=i, samples=n_samples,
-                                tokens=n_tokens)
+                self.trace.span(
+                    "micro-batch", "trainer", start, end, step=step, index=i, samples=n_samples, tokens=n_tokens
+                )
             staged_bytes = await self._publish(tg)
             t_sync = time.monotonic()
             self.trace.span("stage weights", "weight sync", t_step, t_sync, step=step, bytes=staged_bytes)

@@ -83,8 +83,12 @@ class ConsoleSink:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(
-                TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-                TextColumn("{task.description}"), console=self.console,
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                console=self.console,
             )
             self._task = self._progress.add_task("starting", total=total_steps)
             self._progress.start()
@@ -145,7 +149,11 @@ class WandbSink:
                 "observe.sinks: `wandb` needs the wandb package (pip install 'rollflow[wandb]')"
             ) from None
         self._run = wandb.init(
-            project=project, mode=mode, dir=str(directory), config=config, reinit="create_new",
+            project=project,
+            mode=mode,
+            dir=str(directory),
+            config=config,
+            reinit="create_new",
             settings=wandb.Settings(silent=True, console="off"),
         )
 
@@ -157,7 +165,11 @@ class WandbSink:
 
 
 def make_sinks(
-    names: Iterable[str], output_dir: Path, *, total_steps: int, project: str = "rollflow",
+    names: Iterable[str],
+    output_dir: Path,
+    *,
+    total_steps: int,
+    project: str = "rollflow",
     mode: Literal["offline", "online"] = "offline",
     config: dict[str, Any] | None = None,
 ) -> list[MetricsSink]:

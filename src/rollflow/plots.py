@@ -96,8 +96,10 @@ def _summary_title(run: dict[str, Any]) -> str:
     wall = run["metrics"][-1]["wall_s"] - (run["metrics"][0]["wall_s"] if len(run["metrics"]) > 1 else 0)
     idle_t = sum(m["trainer_idle_frac"] for m in steady) / len(steady)
     idle_e = sum(m.get("engine_idle_frac", 0.0) for m in steady) / len(steady)
-    return (f"{': '.join(x for x in (name, mode) if x)}  {len(run['metrics'])} steps, steady state {wall:.1f} s,"
-            f" trainer idle {idle_t:.0%}, engine idle {idle_e:.0%}")
+    return (
+        f"{': '.join(x for x in (name, mode) if x)}  {len(run['metrics'])} steps, steady state {wall:.1f} s,"
+        f" trainer idle {idle_t:.0%}, engine idle {idle_e:.0%}"
+    )
 
 
 def _max_lag(run: dict[str, Any]) -> int | None:
@@ -165,8 +167,13 @@ def _plot_one(plt: Any, run: dict[str, Any], target: Path) -> list[Path]:
     mean = [m["reward_mean"] for m in metrics]
     std = [m["reward_std"] for m in metrics]
     ax.plot(steps, mean, marker="o", ms=3, label="reward mean")
-    ax.fill_between(steps, [a - b for a, b in zip(mean, std, strict=True)],
-                    [a + b for a, b in zip(mean, std, strict=True)], alpha=0.2, label="± std")
+    ax.fill_between(
+        steps,
+        [a - b for a, b in zip(mean, std, strict=True)],
+        [a + b for a, b in zip(mean, std, strict=True)],
+        alpha=0.2,
+        label="± std",
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.legend()
@@ -220,20 +227,32 @@ def report(directory: str | Path) -> str:
     rows = [
         ("run", str(run["dir"])),
         ("steps", f"{len(metrics)} (max_lag {_max_lag(run)})"),
-        ("wall time", f"{metrics[-1]['wall_s']:.1f} s; steady state (after step 1) "
-                      f"{metrics[-1]['wall_s'] - metrics[0]['wall_s']:.1f} s"),
-        ("reward", f"{sum(m['reward_mean'] for m in metrics[:k]) / k:.3f} (first {k} steps) -> "
-                   f"{sum(m['reward_mean'] for m in metrics[-k:]) / k:.3f} (last {k})"),
+        (
+            "wall time",
+            f"{metrics[-1]['wall_s']:.1f} s; steady state (after step 1) "
+            f"{metrics[-1]['wall_s'] - metrics[0]['wall_s']:.1f} s",
+        ),
+        (
+            "reward",
+            f"{sum(m['reward_mean'] for m in metrics[:k]) / k:.3f} (first {k} steps) -> "
+            f"{sum(m['reward_mean'] for m in metrics[-k:]) / k:.3f} (last {k})",
+        ),
         ("trainer idle", f"{sum(m['trainer_idle_frac'] for m in steady) / n:.1%}"),
         ("engine idle", f"{sum(m.get('engine_idle_frac', 0.0) for m in steady) / n:.1%}"),
         ("generated tokens/s", f"{sum(m['gen_tokens_per_s'] for m in steady) / n:.0f}"),
         ("token lag", "  ".join(f"{lag}: {count / total:.1%}" for lag, count in hist.items()) or "-"),
         ("withheld tokens", str(sum(m["withheld_tokens"] for m in metrics))),
         ("unscorable samples", str(sum(m["unscorable"] for m in metrics))),
-        ("weight sync", f"trainer waited {sum(m['weight_sync_s'] for m in metrics) / len(metrics):.3f} s/step, "
-                        f"engine load {sum(m.get('engine_update_s', 0.0) for m in steady) / n:.3f} s"),
-        ("prompts", f"{sum(1 for e in ledger if e['outcome'] == 'trained')} trained, "
-                    f"{sum(dropped.values())} dropped, {len(ids) - len(set(ids))} duplicates"),
+        (
+            "weight sync",
+            f"trainer waited {sum(m['weight_sync_s'] for m in metrics) / len(metrics):.3f} s/step, "
+            f"engine load {sum(m.get('engine_update_s', 0.0) for m in steady) / n:.3f} s",
+        ),
+        (
+            "prompts",
+            f"{sum(1 for e in ledger if e['outcome'] == 'trained')} trained, "
+            f"{sum(dropped.values())} dropped, {len(ids) - len(set(ids))} duplicates",
+        ),
     ]
     rows += [(f"  dropped: {reason}", str(count)) for reason, count in sorted(dropped.items())]
     width = max(len(name) for name, _ in rows)
