@@ -1,7 +1,8 @@
 """`python -m rollflow <command>`: the command line.
 
 Commands: `train` (asynchronous GRPO training), `generate` (sample and score completions
-from the configured model and task), `plot` and `report` (charts and a summary of finished runs).
+from the configured model and task), `plot` and `report` (charts and a summary of finished runs),
+`simulate` (predicted throughput and staleness for a GPU setup).
 User errors (config, data, model path, arguments) print one line naming what is wrong and
 exit with code 2, without a traceback. This module parses arguments and prints; the work
 happens in the library.
@@ -57,6 +58,30 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: the (first) run directory)")
     report = commands.add_parser("report", help="print a summary table of a finished run")
     report.add_argument("run", type=Path, metavar="DIR", help="output directory of a training run")
+    sim = commands.add_parser(
+        "simulate", help="predict throughput, idle time and staleness for a GPU setup (virtual time, seconds)"
+    )
+    sim.add_argument("--model-size", default="7B", choices=["7B", "32B"], help="timing profile (default 7B)")
+    sim.add_argument("--gpu", default="H100", choices=["H100", "H200"], help="GPU type (default H100)")
+    sim.add_argument("--inference-gpus", type=int, default=1, help="engine replicas, one GPU each (default 1)")
+    sim.add_argument("--trainer-gpus", type=int, default=1, help="data-parallel trainer GPUs (default 1)")
+    sim.add_argument("--max-lag", type=int, default=1, help="staleness bound (default 1)")
+    sim.add_argument("--partial", default="keep", choices=["keep", "resume", "restart"], help="partial rollout mode")
+    sim.add_argument(
+        "--lengths",
+        default="lognormal:300,0.8",
+        metavar="lognormal:MEAN,SIGMA|FILE",
+        help="completion lengths: a lognormal, a run's trace.json, or a file with one length per line",
+    )
+    sim.add_argument("--rho", type=float, default=0.5, help="within-group correlation of log-lengths (default 0.5)")
+    sim.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    sim.add_argument("--groups", type=int, default=32, help="groups per step (default 32)")
+    sim.add_argument("--group-size", type=int, default=8, help="samples per group (default 8)")
+    sim.add_argument("--prompt-tokens", type=int, default=256, help="prompt length in tokens (default 256)")
+    sim.add_argument("--max-tokens", type=int, default=1024, help="completion budget (default 1024)")
+    sim.add_argument("--sweep", metavar="NAME=V1,V2,...", help="vary one parameter, e.g. inference-gpus=1,2,4,8")
+    sim.add_argument("--plot", type=Path, metavar="PNG", help="with --sweep: chart steps/hour and idle time")
+    sim.add_argument("--output-dir", type=Path, help="keep the simulated run's files (metrics, ledger, trace)")
     gen = commands.add_parser("generate", help="sample completions for task prompts and score them")
     _add_config_args(gen)
     gen.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
@@ -171,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(report(args.run))
             return 0
+        if args.command == "simulate":
+            from rollflow.sim.cli import run_simulate
+
+            return run_simulate(args)
         _use_uvloop()
         if args.command == "generate":
             return asyncio.run(_generate(args))

@@ -84,9 +84,12 @@ class Controller:
         trainer: Any = None,
         transport: Any = None,
         tokenizer: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`engine`, `trainer`, `transport` and `tokenizer` default to the real ones built from the
-        config; tests pass fakes that honour the same interfaces."""
+        config; tests pass fakes that honour the same interfaces, and the simulator passes simulated
+        ones with its virtual `clock` (the event loop's time)."""
+        self.clock = clock
         self.config = config
         self._given = {"engine": engine, "trainer": trainer, "transport": transport, "tokenizer": tokenizer}
         self.output_dir = Path(output_dir)
@@ -124,7 +127,7 @@ class Controller:
             )
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.toml").write_text(dump_config(cfg))
-        began = time.monotonic()
+        began = self.clock()
         self.trace = Trace(cfg.observe.trace_max_events, began=began)
         self.loop_lag = LoopLag(cfg.observe.loop_probe_s)
         self.sinks = make_sinks(
@@ -190,7 +193,7 @@ class Controller:
                 self.trace.write(self.output_dir / "trace.json")
         return RunResult(
             steps=len(metrics),
-            wall_s=time.monotonic() - began,
+            wall_s=self.clock() - began,
             metrics=metrics,
             trained_prompts=self._trained,
             dropped=dict(self._dropped),
@@ -217,7 +220,7 @@ class Controller:
             group_id = f"g{self._group_seq}"
             self._group_seq += 1
             if not self._inflight:
-                self._busy_since = time.monotonic()
+                self._busy_since = self.clock()
             self._inflight[prompt.id] = tg.create_task(self._group(prompt, group_id), name=f"group-{prompt.id}")
 
     async def _group(self, prompt: Prompt, group_id: str) -> None:
@@ -246,14 +249,14 @@ class Controller:
         scored = []
         for sample in samples:
             self._generated_tokens += sample.num_tokens
-            began = time.monotonic()
+            began = self.clock()
             text = self.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
             reward, reason = self.score(prompt, text)
             self.trace.span(
                 "reward",
                 "reward",
                 began,
-                time.monotonic(),
+                self.clock(),
                 prompt=prompt.id,
                 sample=sample.index,
                 reward=reward,
@@ -268,13 +271,13 @@ class Controller:
 
     async def _rollout(self, prompt: Prompt, group_id: str, index: int) -> Sample:
         lane = self.trace.lane()
-        version, began = self.engine.version, time.monotonic()
+        version, began = self.engine.version, self.clock()
         try:
             sample = await rollout(
                 self.engine, prompt, self.spec, group_id=group_id, index=index, partial=self.config.rollout.partial
             )
         except BaseException:
-            self.trace.span("generate (ended early)", lane, began, time.monotonic(), prompt=prompt.id, sample=index)
+            self.trace.span("generate (ended early)", lane, began, self.clock(), prompt=prompt.id, sample=index)
             raise
         finally:
             self.trace.release(lane)
@@ -282,7 +285,7 @@ class Controller:
             "generate",
             lane,
             began,
-            time.monotonic(),
+            self.clock(),
             prompt=prompt.id,
             sample=index,
             tokens=sample.num_tokens,
@@ -294,13 +297,13 @@ class Controller:
 
     def _busy_total(self) -> float:
         """Engine busy time so far, counting the current busy stretch."""
-        current = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        current = self.clock() - self._busy_since if self._busy_since is not None else 0.0
         return self.engine_busy_s + current
 
     def _finished(self, prompt_id: str) -> None:
         self._inflight.pop(prompt_id, None)
         if not self._inflight and self._busy_since is not None:
-            self.engine_busy_s += time.monotonic() - self._busy_since
+            self.engine_busy_s += self.clock() - self._busy_since
             self._busy_since = None
 
     # ---- training loop: groups -> steps -> weights ----------------------------------------
@@ -351,23 +354,25 @@ class Controller:
         run = self.config.run
         loop = asyncio.get_running_loop()
         for step in range(run.max_steps):
-            t0 = time.monotonic()
+            t0 = self.clock()
             tokens_before, busy_before = self._generated_tokens, self._busy_total()
             groups = await self.buffer.take(run.groups_per_step)
             self._stepping = groups  # out of the buffer, not yet in the ledger
-            t_batch = time.monotonic()
+            t_batch = self.clock()
             batch, stats = self._batch(step, groups)
             trained: dict[str, float] = {}
-            if batch.samples:
+            if batch.samples and hasattr(self.trainer, "step_async"):  # a simulated or remote trainer
+                trained = await self.trainer.step_async(batch)
+            elif batch.samples:
                 trained = await loop.run_in_executor(self._trainer_thread, self._step, batch)
-            t_step = time.monotonic()
+            t_step = self.clock()
             self.trace.span("train step", "trainer", t_batch, t_step, step=step, samples=stats["samples"])
             for i, (start, end, n_samples, n_tokens) in enumerate(getattr(self.trainer, "micro_batches", [])):
                 self.trace.span(
                     "micro-batch", "trainer", start, end, step=step, index=i, samples=n_samples, tokens=n_tokens
                 )
             staged_bytes = await self._publish(tg)
-            t_sync = time.monotonic()
+            t_sync = self.clock()
             self.trace.span("stage weights", "weight sync", t_step, t_sync, step=step, bytes=staged_bytes)
             for group in groups:
                 self.ledger.write(LedgerEntry(id=group.prompt.id, outcome="trained", step=step))
@@ -426,7 +431,7 @@ class Controller:
         if self._update is not None:
             await self._update
         if cfg.trainer.lora.enabled:
-            began = time.monotonic()
+            began = self.clock()
             weights = self.trainer.adapter_weights()
             await self.engine.update_adapter(weights, self.trainer.adapter_config(), partial=cfg.rollout.partial)
             self._updated(began)
@@ -441,13 +446,13 @@ class Controller:
         return staged
 
     async def _load_into_engine(self) -> None:
-        began = time.monotonic()
+        began = self.clock()
         await publish(self.engine, self.transport, self.plan, partial=self.config.rollout.partial)
         self._updated(began)
         await self.admission.advance(self.engine.version)
 
     def _updated(self, began: float) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._last_update_s = now - began
         self.trace.span("engine update", "engine update", began, now, version=self.engine.version)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -196,10 +195,11 @@ class LoopLag:
 
     async def run(self) -> None:
         """Sample until cancelled."""
+        loop = asyncio.get_running_loop()
         while True:
-            due = time.monotonic() + self.every_s
+            due = loop.time() + self.every_s
             await asyncio.sleep(self.every_s)
-            self._lags.append(max(0.0, time.monotonic() - due))
+            self._lags.append(max(0.0, loop.time() - due))
 
     def take(self) -> dict[str, float]:
         """Mean and max lag (ms) since the last call."""

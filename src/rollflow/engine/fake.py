@@ -91,13 +91,10 @@ class FakeEngine:
         self._live.add(request_id)
         state = context_state(prompt_token_ids)
         versions: list[int] = []
-        stop_at = self.length_fn(prompt_token_ids) if self.length_fn else None
+        stop_at = self._stop_at(request_id, prompt_token_ids)
         try:
             while True:
-                if self.token_delay:
-                    await asyncio.sleep(self.token_delay)
-                else:
-                    await asyncio.sleep(0)
+                await self._step_wait(request_id, len(prompt_token_ids) + len(versions))
                 await self._running.wait()
                 reason = None
                 if request_id in self._aborted:
@@ -129,13 +126,27 @@ class FakeEngine:
                         finish = "length"
                         break
                 if finish is not None:
+                    self._leave(request_id, len(versions))  # its slot is free before the caller closes us
                     yield EngineOutput(tokens, logprobs, finish, versions)  # type: ignore[arg-type]
                     return
                 yield EngineOutput(tokens, logprobs)
         finally:
+            self._leave(request_id, len(versions))
             self._live.discard(request_id)
             self._aborted.discard(request_id)
             self._preempted.discard(request_id)
+
+    def _stop_at(self, request_id: str, prompt_token_ids: list[int]) -> int | None:
+        """Completion length before EOS (None: run to max_tokens)."""
+        return self.length_fn(prompt_token_ids) if self.length_fn else None
+
+    async def _step_wait(self, request_id: str, context_tokens: int) -> None:
+        """Wait for the engine step that computes the request's next token(s)."""
+        await asyncio.sleep(self.token_delay)
+
+    def _leave(self, request_id: str, tokens: int) -> None:
+        """The request ended (finished, aborted or preempted) after `tokens` tokens; may be
+        called twice for one request."""
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._live:

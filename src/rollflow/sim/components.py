@@ -1,0 +1,300 @@
+"""Simulated engine, trainer, weight transport and rollout lengths, timed on the loop's clock.
+
+- `SimEngine`: the `Engine` contract of `FakeEngine` (streaming, abort, pause, preemption, exact
+  per-token versions) with a continuous-batching performance model: each of `replicas`
+  data-parallel engines runs one step at a time over its running requests (at most
+  `max_num_seqs`; later ones wait), a step takes `step_s(batch, context tokens)` plus the
+  prefill of newly admitted prompts, and every running request gets one token per step.
+  Requests go to the replica with the fewest running + waiting requests.
+- `SimTrainer`: a step takes `fixed_s + tokens × s_per_token / gpus` (prompt and completion
+  tokens: the forward/backward pass sees both).
+- `SimTransport`: staging and loading take bytes / bandwidth (+ a fixed cost per load).
+- `LengthModel`: completion lengths from a lognormal or an empirical distribution, correlated
+  within a GRPO group (`rho`: the share of log-length variance that belongs to the prompt).
+
+Time is whatever the running loop says (`VirtualTimeLoop` in a simulation). These are models,
+not measurements: `rollflow.sim.profiles` documents where their numbers come from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollflow.engine.fake import FakeEngine
+from rollflow.records import TrainBatch
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """Time of one continuous-batching decode step on one engine replica."""
+
+    fixed_s: float
+    """Per step, whatever the batch (reading the weights, scheduling)."""
+    per_seq_s: float
+    """Per running sequence in the step."""
+    per_context_token_s: float = 0.0
+    """Per token of context (prompt + generated) of every running sequence (reading KV)."""
+    prefill_per_token_s: float = 0.0
+    """Per prompt token of a newly admitted request (paid in the step that admits it)."""
+    max_num_seqs: int = 256
+
+    def step_s(self, batch: int, context_tokens: int, prefill_tokens: int = 0) -> float:
+        return (
+            self.fixed_s
+            + self.per_seq_s * batch
+            + self.per_context_token_s * context_tokens
+            + self.prefill_per_token_s * prefill_tokens
+        )
+
+
+@dataclass(frozen=True)
+class TrainerProfile:
+    """Time of one optimizer step and of moving the weights to the engines."""
+
+    s_per_token: float
+    """Forward + backward time per token (prompt and completion) on one GPU."""
+    fixed_s: float = 0.0
+    """Per step (optimizer step, gradient clipping, synchronisation)."""
+    weight_bytes: int = 0
+    stage_bytes_per_s: float = math.inf
+    """Copying the weights out of the trainer (the trainer waits for it)."""
+    sync_bytes_per_s: float = math.inf
+    """Moving the weights into the engines (inside the engines' paused critical section)."""
+    sync_fixed_s: float = 0.0
+    snapshots: bool = True
+    """False when the transfer reads the trainer's own tensors (NCCL): the trainer waits for it."""
+
+
+class LengthModel:
+    """Completion lengths, correlated within a group.
+
+    For request `group/index`, z = rho·z_group + sqrt(1 − rho²)·z_sample (both standard normal,
+    seeded by the names, so a run is reproducible); the length is the distribution's quantile
+    at z: exp(mu + sigma·z) for a lognormal, the empirical quantile at Φ(z) otherwise.
+    """
+
+    def __init__(
+        self,
+        *,
+        mean: float = 256.0,
+        sigma: float = 0.8,
+        empirical: list[int] | None = None,
+        rho: float = 0.5,
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 <= rho <= 1.0:
+            raise ValueError(f"rho must be in [0, 1], got {rho}")
+        self.mu = math.log(mean) - sigma**2 / 2  # the lognormal's mean is `mean`
+        self.sigma = sigma
+        self.empirical = sorted(empirical) if empirical else None
+        self.rho = rho
+        self.seed = seed
+
+    @classmethod
+    def parse(cls, spec: str, *, rho: float = 0.5, seed: int = 0) -> LengthModel:
+        """`lognormal:MEAN,SIGMA`, or a file: a run's `trace.json` (its generation spans'
+        lengths) or one length per line."""
+        if spec.startswith("lognormal:"):
+            try:
+                mean, sigma = (float(x) for x in spec.removeprefix("lognormal:").split(","))
+            except ValueError:
+                raise ValueError(f"--lengths {spec!r}: expected lognormal:MEAN,SIGMA, e.g. lognormal:300,0.8") from None
+            if mean <= 0 or sigma < 0:
+                raise ValueError(f"--lengths {spec!r}: MEAN must be > 0 and SIGMA >= 0")
+            return cls(mean=mean, sigma=sigma, rho=rho, seed=seed)
+        return cls(empirical=read_lengths(Path(spec)), rho=rho, seed=seed)
+
+    def _z(self, name: str) -> float:
+        digest = hashlib.blake2b(f"{self.seed}:{name}".encode(), digest_size=8).digest()
+        return random.Random(int.from_bytes(digest, "little")).gauss(0.0, 1.0)
+
+    def length(self, request_id: str) -> int:
+        base = request_id.split("#", 1)[0]  # a resubmission continues the same sample
+        group = base.rsplit("/", 1)[0]
+        z = self.rho * self._z(group) + math.sqrt(1 - self.rho**2) * self._z(base)
+        if self.empirical is not None:
+            q = 0.5 * (1 + math.erf(z / math.sqrt(2)))
+            return self.empirical[min(int(q * len(self.empirical)), len(self.empirical) - 1)]
+        return max(1, round(math.exp(self.mu + self.sigma * z)))
+
+
+def read_lengths(path: Path) -> list[int]:
+    """Completion lengths from a run's trace.json, or from a file with one integer per line."""
+    if not path.is_file():
+        raise ValueError(f"--lengths {path}: no such file; expected lognormal:MEAN,SIGMA or a file of lengths")
+    if path.suffix == ".json":
+        from rollflow.trace import load_trace
+
+        lengths = [int(s["args"]["tokens"]) for s in load_trace(path)["spans"] if s["name"] == "generate"]
+    else:
+        lengths = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    lengths.append(int(line))
+                except ValueError:
+                    raise ValueError(f"{path}:{number}: expected a whole number of tokens, got {line!r}") from None
+    if not lengths or min(lengths) < 0:
+        raise ValueError(f"{path}: no completion lengths found")
+    return lengths
+
+
+@dataclass
+class _Replica:
+    profile: EngineProfile
+    pending: dict[str, tuple[asyncio.Future[None], int]] = field(default_factory=dict)
+    """Requests waiting for their next token: future and context length."""
+    running: set[str] = field(default_factory=set)
+    queue: deque[str] = field(default_factory=deque)
+    """Requests not admitted yet, in arrival order."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    busy_s: float = 0.0
+
+
+class SimEngine(FakeEngine):
+    """`FakeEngine`'s tokens on a continuous-batching timing model (see the module docstring)."""
+
+    def __init__(self, profile: EngineProfile, lengths: LengthModel, *, replicas: int = 1) -> None:
+        super().__init__()
+        self.profile = profile
+        self.lengths = lengths
+        self.replicas = [_Replica(profile) for _ in range(replicas)]
+        self._placement: dict[str, _Replica] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.preempted_tokens = 0
+        """Tokens of requests that ended preempted by a weight update (`resume` / `restart`)."""
+
+    async def start(self) -> SimEngine:
+        self._tasks = [asyncio.create_task(self._schedule(r), name="sim-engine") for r in self.replicas]
+        return self
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def busy_s(self) -> float:
+        """Replica-seconds spent in steps."""
+        return sum(r.busy_s for r in self.replicas)
+
+    def _stop_at(self, request_id: str, prompt_token_ids: list[int]) -> int | None:
+        return self.lengths.length(request_id)
+
+    async def _step_wait(self, request_id: str, context_tokens: int) -> None:
+        replica = self._placement.get(request_id)
+        if replica is None:
+            replica = min(self.replicas, key=lambda r: len(r.running) + len(r.queue))
+            self._placement[request_id] = replica
+            replica.queue.append(request_id)
+        future = asyncio.get_running_loop().create_future()
+        replica.pending[request_id] = (future, context_tokens)
+        replica.wake.set()
+        await future
+
+    def _leave(self, request_id: str, tokens: int) -> None:
+        if request_id in self._preempted:
+            self.preempted_tokens += tokens
+        replica = self._placement.pop(request_id, None)
+        if replica is None:
+            return
+        replica.running.discard(request_id)
+        if request_id in replica.queue:
+            replica.queue.remove(request_id)
+        entry = replica.pending.pop(request_id, None)
+        if entry is not None and not entry[0].done():
+            entry[0].cancel()
+
+    async def _schedule(self, replica: _Replica) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._running.wait()  # paused: no steps
+            prefill = 0
+            while replica.queue and len(replica.running) < self.profile.max_num_seqs:
+                request_id = replica.queue.popleft()
+                replica.running.add(request_id)
+                prefill += replica.pending[request_id][1] if request_id in replica.pending else 0
+            batch = [r for r in replica.running if r in replica.pending]
+            if not batch:
+                replica.wake.clear()
+                await replica.wake.wait()
+                continue
+            context = sum(replica.pending[r][1] for r in batch)
+            began = loop.time()
+            await asyncio.sleep(self.profile.step_s(len(batch), context, prefill))
+            replica.busy_s += loop.time() - began
+            for request_id in batch:
+                entry = replica.pending.pop(request_id, None)
+                if entry is not None and not entry[0].done():
+                    entry[0].set_result(None)
+            # Let every request take its token and ask for the next before the next step.
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+
+
+class SimTrainer:
+    """The trainer's interface with a timed `step_async` instead of compute."""
+
+    world_size = 1
+
+    def __init__(self, profile: TrainerProfile, gpus: int = 1) -> None:
+        self.profile = profile
+        self.gpus = gpus
+        self.lm = nn.Module()  # no parameters: the transport models the bytes
+        self.micro_batches: list[tuple[float, float, int, int]] = []
+        self.steps = 0
+
+    def step_s(self, batch: TrainBatch) -> float:
+        tokens = sum(len(s.input_ids) for s in batch.samples)
+        return self.profile.fixed_s + tokens * self.profile.s_per_token / self.gpus
+
+    async def step_async(self, batch: TrainBatch) -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await asyncio.sleep(self.step_s(batch))
+        tokens = sum(sum(s.loss_mask) for s in batch.samples)
+        self.micro_batches = [(began, loop.time(), len(batch.samples), tokens)]
+        self.steps += 1
+        return {"ratio_mean": 1.0, "loss": 0.0}
+
+    def full_weights(self) -> Any:
+        return iter(())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+
+class SimTransport:
+    """Weight sync timed by bytes and bandwidth."""
+
+    name = "sim"
+
+    def __init__(self, profile: TrainerProfile) -> None:
+        self.profile = profile
+        self.snapshots = profile.snapshots
+
+    async def connect(self, engine: Any) -> None:
+        return None
+
+    async def stage(self, plan: Any, tensors: Any) -> int:
+        for _ in tensors:
+            pass
+        await asyncio.sleep(self.profile.weight_bytes / self.profile.stage_bytes_per_s)
+        return self.profile.weight_bytes
+
+    async def load(self, engine: Any, plan: Any) -> None:
+        await asyncio.sleep(self.profile.sync_fixed_s + self.profile.weight_bytes / self.profile.sync_bytes_per_s)
+
+    async def aclose(self) -> None:
+        return None

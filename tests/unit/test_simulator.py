@@ -1,0 +1,164 @@
+"""The simulator: virtual time, the continuous-batching model, lengths, and the real controller on both clocks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections import Counter
+
+import pytest
+
+from rollflow.__main__ import main
+from rollflow.config import load_config
+from rollflow.controller import Controller
+from rollflow.engine.fake import FakeEngine
+from rollflow.records import SamplingSpec
+from rollflow.sim import Scenario, SimTokenizer, simulate
+from rollflow.sim.components import EngineProfile, LengthModel, SimEngine, SimTrainer, SimTransport, TrainerProfile
+from rollflow.sim.loop import run_virtual
+
+FAST_ENGINE = EngineProfile(fixed_s=0.02, per_seq_s=0.001, max_num_seqs=64)
+FAST_TRAINER = TrainerProfile(s_per_token=1e-4, fixed_s=0.1, weight_bytes=10**9, sync_bytes_per_s=10e9)
+
+
+def test_virtual_loop_jumps_over_sleeps():
+    async def main_():
+        loop = asyncio.get_running_loop()
+        order = []
+
+        async def nap(seconds):
+            await asyncio.sleep(seconds)
+            order.append((seconds, loop.time()))
+
+        await asyncio.gather(nap(3600), nap(2.5), nap(60))
+        return order
+
+    began = time.monotonic()
+    assert run_virtual(main_()) == [(2.5, 2.5), (60, 60.0), (3600, 3600.0)]
+    assert time.monotonic() - began < 1.0
+
+
+def _stream_all(engine, requests, max_tokens):
+    async def one(request_id):
+        async for out in engine.stream(request_id, [1, 2, 3], SamplingSpec(max_tokens=max_tokens), deltas=False):
+            if out.finish_reason is not None:
+                return asyncio.get_running_loop().time()
+        raise AssertionError("no final output")
+
+    async def main_():
+        await engine.start()
+        try:
+            return await asyncio.gather(*(one(r) for r in requests))
+        finally:
+            await engine.aclose()
+
+    return run_virtual(main_())
+
+
+def test_sim_engine_batches_up_to_max_num_seqs_and_queues_the_rest():
+    lengths = LengthModel(empirical=[10])
+    profile = EngineProfile(fixed_s=1.0, per_seq_s=0.0, max_num_seqs=2)
+    done = _stream_all(SimEngine(profile, lengths), ["g0/0", "g0/1", "g1/0", "g1/1"], max_tokens=100)
+    # 10 tokens + the EOS step: the first two finish after 11 steps, the queued two 11 steps later.
+    assert done == [11.0, 11.0, 22.0, 22.0]
+    wide = EngineProfile(fixed_s=1.0, per_seq_s=0.0, max_num_seqs=4)
+    assert _stream_all(SimEngine(wide, lengths), ["g0/0", "g0/1", "g1/0", "g1/1"], max_tokens=100) == [11.0] * 4
+    # Replicas split the requests; a bigger batch costs more per step.
+    per_seq = EngineProfile(fixed_s=0.0, per_seq_s=1.0, max_num_seqs=4)
+    one_replica = _stream_all(SimEngine(per_seq, lengths), ["g0/0", "g0/1", "g1/0", "g1/1"], max_tokens=100)
+    two_replicas = _stream_all(SimEngine(per_seq, lengths, replicas=2), ["g0/0", "g0/1", "g1/0", "g1/1"], 100)
+    assert one_replica == [44.0] * 4 and two_replicas == [22.0] * 4
+
+
+def test_length_model_mean_correlation_and_empirical(tmp_path):
+    model = LengthModel(mean=300, sigma=0.8, rho=0.0, seed=1)
+    draws = [model.length(f"g{i}/0") for i in range(4000)]
+    assert statistics.mean(draws) == pytest.approx(300, rel=0.08)
+    tied = LengthModel(mean=300, sigma=0.8, rho=1.0)
+    assert len({tied.length(f"g7/{i}") for i in range(8)}) == 1  # rho 1: the prompt decides the length
+    assert tied.length("g7/3#2") == tied.length("g7/3")  # a resubmission is the same sample
+    (tmp_path / "lengths.txt").write_text("5\n7\n\n9\n")
+    empirical = LengthModel.parse(str(tmp_path / "lengths.txt"))
+    assert {empirical.length(f"g{i}/0") for i in range(200)} == {5, 7, 9}
+    (tmp_path / "bad.txt").write_text("5\nseven\n")
+    with pytest.raises(ValueError, match=r"bad.txt:2: expected a whole number"):
+        LengthModel.parse(str(tmp_path / "bad.txt"))
+    with pytest.raises(ValueError, match="lognormal:MEAN,SIGMA"):
+        LengthModel.parse("lognormal:300")
+
+
+def _decisions(directory):
+    """What the controller decided: each prompt's start version and trained step, each step's lags."""
+    trace = json.loads((directory / "trace.json").read_text())
+    started = {}
+    for e in trace["traceEvents"]:
+        if e.get("name") == "generate":
+            prompt = e["args"]["prompt"]
+            started[prompt] = min(started.get(prompt, 99), e["args"]["version_start"])
+    ledger = [json.loads(line) for line in (directory / "ledger.jsonl").read_text().splitlines()]
+    trained = Counter((e["step"], started[e["id"]]) for e in ledger if e["outcome"] == "trained")
+    metrics = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    return started, trained, [(m["lag_hist"], m["samples"], m["withheld_tokens"]) for m in metrics]
+
+
+def _controller(output_dir, clock):
+    config = load_config(
+        preset="tiny",
+        overrides=["run.max_lag=1", "run.max_steps=5", "run.groups_per_step=2", "rollout.group_size=2",
+                   "sampling.max_tokens=5", "observe.sinks=[]"],
+    )
+    trainer_profile = TrainerProfile(s_per_token=0.0, fixed_s=0.15, sync_fixed_s=0.02)
+    return Controller(
+        config, output_dir, engine=FakeEngine(token_delay=0.01), trainer=SimTrainer(trainer_profile),
+        transport=SimTransport(trainer_profile), tokenizer=SimTokenizer(16), clock=clock,
+    )
+
+
+@pytest.mark.timeout(60)
+def test_same_scenario_on_real_and_virtual_time_makes_the_same_decisions(tmp_path):
+    """The simulator is the controller itself: the same components on the real clock and on the
+    virtual one start the same prompts at the same versions and train them at the same steps."""
+
+    async def real():
+        await _controller(tmp_path / "real", time.monotonic).run()
+
+    async def virtual():
+        await _controller(tmp_path / "virtual", asyncio.get_running_loop().time).run()
+
+    began = time.monotonic()
+    asyncio.run(real())
+    real_s = time.monotonic() - began
+    began = time.monotonic()
+    run_virtual(virtual())
+    virtual_s = time.monotonic() - began
+    assert _decisions(tmp_path / "real") == _decisions(tmp_path / "virtual")
+    assert virtual_s < real_s / 3  # the virtual run does not sleep
+    started, trained, _ = _decisions(tmp_path / "virtual")
+    assert max(started.values()) >= 2 and sum(trained.values()) == 10
+
+
+def test_simulated_runs_follow_the_expected_shape():
+    base = Scenario(engine=FAST_ENGINE, trainer=FAST_TRAINER, steps=6, groups_per_step=4, group_size=4,
+                    prompt_tokens=64, max_tokens=64, lengths=LengthModel(mean=40, sigma=0.5))
+    sync, lag1 = simulate(Scenario(**{**base.__dict__, "max_lag": 0})), simulate(base)
+    assert set(sync.lag_hist) == {0} and sync.wasted_tokens == 0
+    # Long samples can outlive the bound (they are consumed after shorter, later ones); their
+    # stale tokens are withheld, so the loss never sees a lag above max_lag.
+    assert all(m["loss_lag_max"] <= 1 for m in lag1.metrics)
+    assert lag1.withheld_tokens == sum(count for lag, count in lag1.lag_hist.items() if lag > 1)
+    assert lag1.steps_per_hour > sync.steps_per_hour  # overlap pays
+    restart = simulate(Scenario(**{**base.__dict__, "partial": "restart"}))
+    assert restart.preempted_tokens > 0 and restart.wasted_tokens == restart.withheld_tokens + restart.preempted_tokens
+
+
+def test_simulate_command_prints_a_row_and_rejects_bad_sweeps(capsys, tmp_path):
+    assert main(["simulate", "--steps", "3", "--groups", "4", "--group-size", "2", "--max-tokens", "64",
+                 "--sweep", "inference-gpus=1,2", "--plot", str(tmp_path / "sweep.png")]) == 0
+    out = capsys.readouterr().out
+    assert "inference-gpus=1" in out and "inference-gpus=2" in out
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["simulate", "--sweep", "gpus=1,2"]) == 2
+    assert "expected NAME=V1,V2" in capsys.readouterr().err
+    assert main(["simulate", "--lengths", str(tmp_path / "missing.txt")]) == 2
