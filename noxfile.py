@@ -45,5 +45,6 @@ def bench(session: nox.Session) -> None:
         "bench/weight_sync.py",
         "bench/overlap.py",
         "bench/controller_overhead.py",
+        "bench/simulator_validation.py",
     ):
         session.run(PY, script)

@@ -102,6 +102,7 @@ async def _simulate(scenario: Scenario, output_dir: Path) -> SimResult:
     config = load_config(preset="tiny", overrides=overrides)
     engine = SimEngine(scenario.engine, scenario.lengths, replicas=scenario.inference_gpus)
     trainer = SimTrainer(scenario.trainer, scenario.trainer_gpus)
+    engine.trainer, trainer.engine = trainer, engine  # for the `contended` factors of a shared host
     busy_at: list[float] = []
     controller = Controller(
         config,

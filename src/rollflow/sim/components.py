@@ -5,7 +5,9 @@
   data-parallel engines runs one step at a time over its running requests (at most
   `max_num_seqs`; later ones wait), a step takes `step_s(batch, context tokens)` plus the
   prefill of newly admitted prompts, and every running request gets one token per step.
-  Requests go to the replica with the fewest running + waiting requests.
+  Requests go to the replica with the fewest running + waiting requests. After a weight
+  update, running requests prefill their whole context again (the KV cache was dropped).
+  Engines and trainer on one host slow each other down by their `contended` factors.
 - `SimTrainer`: a step takes `fixed_s + tokens × s_per_token / gpus` (prompt and completion
   tokens: the forward/backward pass sees both).
 - `SimTransport`: staging and loading take bytes / bandwidth (+ a fixed cost per load).
@@ -47,6 +49,13 @@ class EngineProfile:
     prefill_per_token_s: float = 0.0
     """Per prompt token of a newly admitted request (paid in the step that admits it)."""
     max_num_seqs: int = 256
+    contended: float = 1.0
+    """Step-time factor while the trainer computes: engines and trainer sharing a host's cores
+    or memory bandwidth (a CPU machine) slow each other down; 1.0 on separate GPUs."""
+    recompute_on_update: bool = True
+    """A weight update drops the KV cache: requests kept running (`keep` mode) prefill their
+    whole context again in their next step (rollflow's default, `engine.keep_kv_on_update`
+    false)."""
 
     def step_s(self, batch: int, context_tokens: int, prefill_tokens: int = 0) -> float:
         return (
@@ -73,6 +82,8 @@ class TrainerProfile:
     sync_fixed_s: float = 0.0
     snapshots: bool = True
     """False when the transfer reads the trainer's own tensors (NCCL): the trainer waits for it."""
+    contended: float = 1.0
+    """Step-time factor while an engine is generating (see `EngineProfile.contended`)."""
 
 
 class LengthModel:
@@ -159,6 +170,9 @@ class _Replica:
     """Requests not admitted yet, in arrival order."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     busy_s: float = 0.0
+    stepping: bool = False
+    recompute: set[str] = field(default_factory=set)
+    """Running requests whose KV was dropped by a weight update."""
 
 
 class SimEngine(FakeEngine):
@@ -171,6 +185,8 @@ class SimEngine(FakeEngine):
         self.replicas = [_Replica(profile) for _ in range(replicas)]
         self._placement: dict[str, _Replica] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self.trainer: SimTrainer | None = None
+        """Set when engine and trainer share a host (`contended` factors apply)."""
         self.preempted_tokens = 0
         """Tokens of requests that ended preempted by a weight update (`resume` / `restart`)."""
 
@@ -185,12 +201,23 @@ class SimEngine(FakeEngine):
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     @property
+    def generating(self) -> bool:
+        return any(r.stepping for r in self.replicas)
+
+    @property
     def busy_s(self) -> float:
         """Replica-seconds spent in steps."""
         return sum(r.busy_s for r in self.replicas)
 
     def _stop_at(self, request_id: str, prompt_token_ids: list[int]) -> int | None:
         return self.lengths.length(request_id)
+
+    async def update_weights_with(self, load: Any, *, partial: Any = "keep", deadline_s: float | None = None) -> int:
+        version = await super().update_weights_with(load, partial=partial, deadline_s=deadline_s)
+        if self.profile.recompute_on_update:
+            for replica in self.replicas:
+                replica.recompute |= replica.running
+        return version
 
     async def _step_wait(self, request_id: str, context_tokens: int) -> None:
         replica = self._placement.get(request_id)
@@ -210,6 +237,7 @@ class SimEngine(FakeEngine):
         if replica is None:
             return
         replica.running.discard(request_id)
+        replica.recompute.discard(request_id)
         if request_id in replica.queue:
             replica.queue.remove(request_id)
         entry = replica.pending.pop(request_id, None)
@@ -231,8 +259,15 @@ class SimEngine(FakeEngine):
                 await replica.wake.wait()
                 continue
             context = sum(replica.pending[r][1] for r in batch)
+            prefill += sum(replica.pending[r][1] for r in batch if r in replica.recompute)
+            replica.recompute.clear()
             began = loop.time()
-            await asyncio.sleep(self.profile.step_s(len(batch), context, prefill))
+            step = self.profile.step_s(len(batch), context, prefill)
+            if self.trainer is not None and self.trainer.busy:
+                step *= self.profile.contended
+            replica.stepping = True
+            await asyncio.sleep(step)
+            replica.stepping = False
             replica.busy_s += loop.time() - began
             for request_id in batch:
                 entry = replica.pending.pop(request_id, None)
@@ -254,6 +289,9 @@ class SimTrainer:
         self.lm = nn.Module()  # no parameters: the transport models the bytes
         self.micro_batches: list[tuple[float, float, int, int]] = []
         self.steps = 0
+        self.busy = False
+        self.engine: SimEngine | None = None
+        """Set when engine and trainer share a host (`contended` factors apply)."""
 
     def step_s(self, batch: TrainBatch) -> float:
         tokens = sum(len(s.input_ids) for s in batch.samples)
@@ -262,7 +300,14 @@ class SimTrainer:
     async def step_async(self, batch: TrainBatch) -> dict[str, float]:
         loop = asyncio.get_running_loop()
         began = loop.time()
-        await asyncio.sleep(self.step_s(batch))
+        step = self.step_s(batch)
+        if self.engine is not None and self.engine.generating:
+            step *= self.profile.contended
+        self.busy = True
+        try:
+            await asyncio.sleep(step)
+        finally:
+            self.busy = False
         tokens = sum(sum(s.loss_mask) for s in batch.samples)
         self.micro_batches = [(began, loop.time(), len(batch.samples), tokens)]
         self.steps += 1

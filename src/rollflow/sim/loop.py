@@ -47,7 +47,15 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 def run_virtual(main: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine to completion on a fresh `VirtualTimeLoop`."""
+    """Run a coroutine to completion on a fresh `VirtualTimeLoop`. From async code, call it in a
+    thread (`await asyncio.to_thread(...)`): one thread runs one event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        main.close()
+        raise RuntimeError("a simulation runs its own event loop: from async code use `await asyncio.to_thread(...)`")
     loop = VirtualTimeLoop()
     try:
         return loop.run_until_complete(main)
