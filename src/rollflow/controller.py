@@ -247,22 +247,15 @@ class Controller:
             raise
         self._finished(prompt.id)
         scored = []
+        began = self.clock()
         for sample in samples:
             self._generated_tokens += sample.num_tokens
-            began = self.clock()
             text = self.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
             reward, reason = self.score(prompt, text)
-            self.trace.span(
-                "reward",
-                "reward",
-                began,
-                self.clock(),
-                prompt=prompt.id,
-                sample=sample.index,
-                reward=reward,
-                unscorable=reason,
-            )
             scored.append(msgspec.structs.replace(sample, reward=reward, unscorable=reason))
+        self.trace.span(
+            "reward", "reward", began, self.clock(), prompt=prompt.id, rewards=[s.reward for s in scored]
+        )
         if all(s.reward is None for s in scored):
             self._drop(prompt.id, f"unscorable: {scored[0].unscorable}")
             return

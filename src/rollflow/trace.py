@@ -13,6 +13,7 @@ were dropped. This module records and writes; `rollflow.plots` reads the file ba
 
 from __future__ import annotations
 
+import heapq
 import os
 import time
 from collections import deque
@@ -24,13 +25,17 @@ import msgspec
 FIXED_TRACKS = ("trainer", "weight sync", "engine update", "reward")
 """Tracks shown first, in this order; generation lanes follow."""
 
+LANE_BASE = 1000
+"""Track id of generation lane 0 (named tracks take the ids below it)."""
+
 
 class Trace:
     """Spans in a bounded buffer, written out as trace-event JSON."""
 
     def __init__(self, max_events: int = 200_000, *, began: float | None = None) -> None:
         self.began = time.monotonic() if began is None else began
-        self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
+        # (name, track id, start, end, args): cheap to append; turned into JSON only on write.
+        self._events: deque[tuple[str, int, float, float, dict[str, Any]]] = deque(maxlen=max_events)
         self.recorded = 0
         self._tracks: dict[str, int] = {name: i + 1 for i, name in enumerate(FIXED_TRACKS)}
         self._free_lanes: list[int] = []
@@ -41,45 +46,51 @@ class Trace:
         """Events that fell out of the ring buffer."""
         return self.recorded - len(self._events)
 
-    def span(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
-        """One finished span on `track`, from `start` to `end` (monotonic seconds)."""
-        if track not in self._tracks:
-            self._tracks[track] = len(self._tracks) + 1
-        self._events.append(
+    def span(self, name: str, track: str | int, start: float, end: float, **args: Any) -> None:
+        """One finished span on `track` (a name, or a generation lane from `lane`), from `start`
+        to `end` (seconds of the clock `began` is on)."""
+        if isinstance(track, int):
+            tid = LANE_BASE + track
+        else:
+            tid = self._tracks.get(track, 0)
+            if not tid:
+                tid = self._tracks[track] = len(self._tracks) + 1
+        self._events.append((name, tid, start, end, args))
+        self.recorded += 1
+
+    def lane(self) -> int:
+        """The lowest generation lane (track `generate N`) no running request holds; give it back
+        with `release`."""
+        if self._free_lanes:
+            return heapq.heappop(self._free_lanes)
+        self._lanes += 1
+        return self._lanes - 1
+
+    def release(self, lane: int) -> None:
+        heapq.heappush(self._free_lanes, lane)
+
+    def to_json(self) -> dict[str, Any]:
+        metadata: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "rollflow"}}
+        ]
+        tracks = {**self._tracks, **{f"generate {i}": LANE_BASE + i for i in range(self._lanes)}}
+        for name, tid in tracks.items():
+            metadata.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}})
+            metadata.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid, "args": {"sort_index": tid}})
+        spans = [
             {
                 "name": name,
                 "ph": "X",
                 "ts": round((start - self.began) * 1e6, 1),
                 "dur": round(max(end - start, 0.0) * 1e6, 1),
                 "pid": 1,
-                "tid": self._tracks[track],
+                "tid": tid,
                 "args": args,
             }
-        )
-        self.recorded += 1
-
-    def lane(self) -> str:
-        """A generation lane no running request holds; give it back with `release`."""
-        if self._free_lanes:
-            index = min(self._free_lanes)
-            self._free_lanes.remove(index)
-        else:
-            index = self._lanes
-            self._lanes += 1
-        return f"generate {index}"
-
-    def release(self, lane: str) -> None:
-        self._free_lanes.append(int(lane.rsplit(" ", 1)[1]))
-
-    def to_json(self) -> dict[str, Any]:
-        metadata: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "rollflow"}}
+            for name, tid, start, end, args in self._events
         ]
-        for name, tid in self._tracks.items():
-            metadata.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}})
-            metadata.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid, "args": {"sort_index": tid}})
         return {
-            "traceEvents": metadata + list(self._events),
+            "traceEvents": metadata + spans,
             "displayTimeUnit": "ms",
             "otherData": {"recorded_events": self.recorded, "dropped_events": self.dropped},
         }

@@ -143,19 +143,23 @@ def test_wandb_sink_logs_offline_under_the_run_directory(tmp_path, monkeypatch):
 
 def test_trace_keeps_the_newest_events_and_writes_trace_event_json(tmp_path):
     trace = Trace(max_events=5, began=100.0)
-    lane_a, lane_b = trace.lane(), trace.lane()
-    assert (lane_a, lane_b) == ("generate 0", "generate 1")
+    lane_a, lane_b, lane_c = trace.lane(), trace.lane(), trace.lane()
+    assert (lane_a, lane_b, lane_c) == (0, 1, 2)
+    trace.release(lane_c)
     trace.release(lane_a)
-    assert trace.lane() == "generate 0"  # the lowest free lane is reused
+    assert trace.lane() == 0  # the lowest free lane is reused
+    trace.span("generate", lane_b, 100.0, 100.2, prompt="p")
     for i in range(8):
         trace.span("train step", "trainer", 100.0 + i, 100.5 + i, step=i)
-    assert trace.recorded == 8 and trace.dropped == 3
+    assert trace.recorded == 9 and trace.dropped == 4
     trace.write(tmp_path / "trace.json")
     data = json.loads((tmp_path / "trace.json").read_text())
     spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
     assert [e["args"]["step"] for e in spans] == [3, 4, 5, 6, 7]
     assert spans[0]["ts"] == 3_000_000 and spans[0]["dur"] == 500_000
-    assert data["otherData"]["dropped_events"] == 3
+    assert data["otherData"]["dropped_events"] == 4
+    names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
+    assert names[1] == "trainer" and "generate 1" in names.values()
     loaded = load_trace(tmp_path / "trace.json")
     assert loaded["spans"][0]["track"] == "trainer" and loaded["spans"][0]["end"] == pytest.approx(3.5)
 
