@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lengths",
         default="lognormal:300,0.8",
         metavar="lognormal:MEAN,SIGMA|FILE",
-        help="completion lengths: a lognormal, a run's trace.json, or a file with one length per line",
+        help="completion lengths: a lognormal, a run's ledger.jsonl or trace.json, or a file of lengths",
     )
     sim.add_argument("--rho", type=float, default=0.5, help="within-group correlation of log-lengths (default 0.5)")
     sim.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")

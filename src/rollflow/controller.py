@@ -55,6 +55,8 @@ class LedgerEntry(msgspec.Struct, omit_defaults=True):
     """`trained` or `dropped`."""
     step: int | None = None
     reason: str | None = None
+    tokens: list[int] | None = None
+    """Completion lengths of the group's samples (trained prompts)."""
 
 
 class RunResult(msgspec.Struct):
@@ -253,9 +255,7 @@ class Controller:
             text = self.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
             reward, reason = self.score(prompt, text)
             scored.append(msgspec.structs.replace(sample, reward=reward, unscorable=reason))
-        self.trace.span(
-            "reward", "reward", began, self.clock(), prompt=prompt.id, rewards=[s.reward for s in scored]
-        )
+        self.trace.span("reward", "reward", began, self.clock(), prompt=prompt.id, rewards=[s.reward for s in scored])
         if all(s.reward is None for s in scored):
             self._drop(prompt.id, f"unscorable: {scored[0].unscorable}")
             return
@@ -368,7 +368,8 @@ class Controller:
             t_sync = self.clock()
             self.trace.span("stage weights", "weight sync", t_step, t_sync, step=step, bytes=staged_bytes)
             for group in groups:
-                self.ledger.write(LedgerEntry(id=group.prompt.id, outcome="trained", step=step))
+                lengths = [sample.num_tokens for sample in group.samples]
+                self.ledger.write(LedgerEntry(id=group.prompt.id, outcome="trained", step=step, tokens=lengths))
             self._trained += len(groups)
             self._stepping = []
             interval = t_sync - t0

@@ -82,6 +82,9 @@ def test_length_model_mean_correlation_and_empirical(tmp_path):
     (tmp_path / "lengths.txt").write_text("5\n7\n\n9\n")
     empirical = LengthModel.parse(str(tmp_path / "lengths.txt"))
     assert {empirical.length(f"g{i}/0") for i in range(200)} == {5, 7, 9}
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text('{"id":"a","outcome":"trained","step":0,"tokens":[3,4]}\n{"id":"b","outcome":"dropped"}\n')
+    assert {LengthModel.parse(str(ledger)).length(f"g{i}/0") for i in range(200)} == {3, 4}
     (tmp_path / "bad.txt").write_text("5\nseven\n")
     with pytest.raises(ValueError, match=r"bad.txt:2: expected a whole number"):
         LengthModel.parse(str(tmp_path / "bad.txt"))

@@ -11,8 +11,9 @@
 - `SimTrainer`: a step takes `fixed_s + tokens × s_per_token / gpus` (prompt and completion
   tokens: the forward/backward pass sees both).
 - `SimTransport`: staging and loading take bytes / bandwidth (+ a fixed cost per load).
-- `LengthModel`: completion lengths from a lognormal or an empirical distribution, correlated
-  within a GRPO group (`rho`: the share of log-length variance that belongs to the prompt).
+- `LengthModel`: completion lengths from a lognormal or an empirical distribution (a run's
+  ledger or trace, or a list), correlated within a GRPO group (`rho`: the share of log-length
+  variance that belongs to the prompt).
 
 Time is whatever the running loop says (`VirtualTimeLoop` in a simulation). These are models,
 not measurements: `rollflow.sim.profiles` documents where their numbers come from.
@@ -113,8 +114,8 @@ class LengthModel:
 
     @classmethod
     def parse(cls, spec: str, *, rho: float = 0.5, seed: int = 0) -> LengthModel:
-        """`lognormal:MEAN,SIGMA`, or a file: a run's `trace.json` (its generation spans'
-        lengths) or one length per line."""
+        """`lognormal:MEAN,SIGMA`, or a file: a run's `ledger.jsonl` or `trace.json`, or one
+        length per line."""
         if spec.startswith("lognormal:"):
             try:
                 mean, sigma = (float(x) for x in spec.removeprefix("lognormal:").split(","))
@@ -140,10 +141,23 @@ class LengthModel:
 
 
 def read_lengths(path: Path) -> list[int]:
-    """Completion lengths from a run's trace.json, or from a file with one integer per line."""
+    """Completion lengths from a run's ledger.jsonl or trace.json, or from a file with one
+    integer per line."""
     if not path.is_file():
         raise ValueError(f"--lengths {path}: no such file; expected lognormal:MEAN,SIGMA or a file of lengths")
-    if path.suffix == ".json":
+    if path.suffix == ".jsonl":
+        import json
+
+        lengths: list[int] = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+                lengths += entry.get("tokens") or []
+            except (json.JSONDecodeError, AttributeError):
+                raise ValueError(f"{path}:{number}: expected a ledger line (a JSON object)") from None
+    elif path.suffix == ".json":
         from rollflow.trace import load_trace
 
         lengths = [int(s["args"]["tokens"]) for s in load_trace(path)["spans"] if s["name"] == "generate"]

@@ -95,14 +95,8 @@ def pack(
     must be done with one bucket before asking for the next. Reusing warm memory avoids paying
     page faults on a fresh buffer for every bucket of every sync.
     """
-    metas = iter(plan.tensors)
     index, buffer = -1, torch.empty(0, dtype=torch.uint8)
-    for name, tensor in tensors:
-        meta = next(metas, None)
-        if meta is None or meta.name != name:
-            raise ValueError(f"tensor {name!r} is not the next one in the bucket plan ({meta and meta.name!r})")
-        if list(tensor.shape) != meta.shape or dtype_name(tensor.dtype) != meta.dtype:
-            raise ValueError(f"{name}: expected {meta.dtype}{meta.shape}, got {tensor.dtype}{list(tensor.shape)}")
+    for meta, flat in _in_plan_order(plan, tensors):
         if meta.bucket != index:
             if index >= 0:
                 yield index, buffer
@@ -112,12 +106,26 @@ def pack(
                 buffer = scratch[:size]
             else:
                 buffer = torch.empty(size, dtype=torch.uint8)
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[meta.offset : meta.offset + meta.nbytes].copy_(flat.cpu())
-    if next(metas, None) is not None:
-        raise ValueError("fewer tensors than the bucket plan lists")
+        buffer[meta.offset : meta.offset + meta.nbytes].copy_(flat)
     if index >= 0:
         yield index, buffer
+
+
+def _in_plan_order(
+    plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
+    """Each tensor with its place in the plan, as flat bytes; the names, order, shapes and dtypes
+    must match the plan exactly."""
+    metas = iter(plan.tensors)
+    for name, tensor in tensors:
+        meta = next(metas, None)
+        if meta is None or meta.name != name:
+            raise ValueError(f"tensor {name!r} is not the next one in the bucket plan ({meta and meta.name!r})")
+        if list(tensor.shape) != meta.shape or dtype_name(tensor.dtype) != meta.dtype:
+            raise ValueError(f"{name}: expected {meta.dtype}{meta.shape}, got {tensor.dtype}{list(tensor.shape)}")
+        yield meta, tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    if next(metas, None) is not None:
+        raise ValueError("fewer tensors than the bucket plan lists")
 
 
 def bucket_starts(plan: BucketPlan) -> list[int]:
@@ -133,17 +141,9 @@ def pack_into(plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]], mem
     """Copy tensors (in plan order) straight to their places in `memory` (uint8, all buckets back
     to back; no intermediate bucket buffer); returns bytes written."""
     starts = bucket_starts(plan)
-    metas = iter(plan.tensors)
-    for name, tensor in tensors:
-        meta = next(metas, None)
-        if meta is None or meta.name != name:
-            raise ValueError(f"tensor {name!r} is not the next one in the bucket plan ({meta and meta.name!r})")
-        if list(tensor.shape) != meta.shape or dtype_name(tensor.dtype) != meta.dtype:
-            raise ValueError(f"{name}: expected {meta.dtype}{meta.shape}, got {tensor.dtype}{list(tensor.shape)}")
+    for meta, flat in _in_plan_order(plan, tensors):
         at = starts[meta.bucket] + meta.offset
-        memory[at : at + meta.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu())
-    if next(metas, None) is not None:
-        raise ValueError("fewer tensors than the bucket plan lists")
+        memory[at : at + meta.nbytes].copy_(flat)
     return plan.total_bytes
 
 
