@@ -397,7 +397,8 @@ class Controller:
                 "engine_busy_s": busy,
                 **self.loop_lag.take(),
                 "wall_s": t_sync - began,
-                **{k: v for k, v in trained.items() if k != "ratio_mean"},
+                "loss_tokens": trained.get("tokens", 0.0),
+                **{k: v for k, v in trained.items() if k not in ("ratio_mean", "tokens")},
             }
             metrics.append(row)
             for sink in self.sinks:
