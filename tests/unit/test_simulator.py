@@ -7,6 +7,7 @@ import json
 import statistics
 import time
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -145,14 +146,14 @@ def test_same_scenario_on_real_and_virtual_time_makes_the_same_decisions(tmp_pat
 def test_simulated_runs_follow_the_expected_shape():
     base = Scenario(engine=FAST_ENGINE, trainer=FAST_TRAINER, steps=6, groups_per_step=4, group_size=4,
                     prompt_tokens=64, max_tokens=64, lengths=LengthModel(mean=40, sigma=0.5))
-    sync, lag1 = simulate(Scenario(**{**base.__dict__, "max_lag": 0})), simulate(base)
+    sync, lag1 = simulate(replace(base, max_lag=0)), simulate(base)
     assert set(sync.lag_hist) == {0} and sync.wasted_tokens == 0
     # Long samples can outlive the bound (they are consumed after shorter, later ones); their
     # stale tokens are withheld, so the loss never sees a lag above max_lag.
     assert all(m["loss_lag_max"] <= 1 for m in lag1.metrics)
     assert lag1.withheld_tokens == sum(count for lag, count in lag1.lag_hist.items() if lag > 1)
     assert lag1.steps_per_hour > sync.steps_per_hour  # overlap pays
-    restart = simulate(Scenario(**{**base.__dict__, "partial": "restart"}))
+    restart = simulate(replace(base, partial="restart"))
     assert restart.preempted_tokens > 0 and restart.wasted_tokens == restart.withheld_tokens + restart.preempted_tokens
 
 
