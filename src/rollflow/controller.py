@@ -28,13 +28,13 @@ from typing import Any
 import msgspec
 
 from rollflow.advantage import group_advantages
-from rollflow.buffer import Admission, GroupBuffer, lags, withhold_stale
+from rollflow.buffer import Admission, GroupBuffer
 from rollflow.config import Config, dump_config
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.errors import EngineDeadError, EngineError, UserInputError
 from rollflow.evaluate import EvalReport, evaluate, sampling_spec
-from rollflow.handoff import Step, Stop, Sync, broadcast, train_sample
-from rollflow.metrics import JsonlSink, LoopLag, histogram, make_sinks
+from rollflow.handoff import Step, Stop, Sync, broadcast, build_batch
+from rollflow.metrics import JsonlSink, LoopLag, make_sinks
 from rollflow.models import chat_encoder, load_tokenizer, resolve_model
 from rollflow.records import Group, Prompt, Sample, TrainBatch
 from rollflow.rollout import rollout
@@ -301,48 +301,6 @@ class Controller:
 
     # ---- training loop: groups -> steps -> weights ----------------------------------------
 
-    def _batch(self, step: int, groups: list[Group]) -> tuple[TrainBatch, dict[str, Any]]:
-        """Build the step's batch; withhold tokens whose lag exceeds max_lag."""
-        max_lag = self.config.run.max_lag
-        samples, all_lags, sample_lags, withheld = [], [], [], 0
-        loss_lag_max = 0
-        rewards: list[float] = []
-        unscorable: dict[str, int] = {}
-        for group in groups:
-            for sample, advantage in zip(group.samples, group.advantages, strict=True):
-                if sample.reward is None:
-                    reason = sample.unscorable or "unknown"
-                    unscorable[reason] = unscorable.get(reason, 0) + 1
-                    continue
-                rewards.append(sample.reward)
-                mask, n = withhold_stale(sample.versions, sample.loss_mask, step, max_lag)
-                withheld += n
-                token_lags = lags(sample.versions, step)
-                loss_lag_max = max([loss_lag_max] + [lag for lag, m in zip(token_lags, mask, strict=True) if m])
-                all_lags += token_lags
-                sample_lags.append(max(token_lags, default=0))
-                samples.append(train_sample(sample, advantage, mask))
-        mean = sum(rewards) / len(rewards) if rewards else 0.0
-        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5 if rewards else 0.0
-        stats = {
-            "reward_mean": mean,
-            "reward_std": std,
-            "rewards": {self.config.run.reward: {"mean": mean, "std": std}},
-            "samples": len(samples),
-            "tokens": sum(s.num_completion for s in samples),
-            "lag_mean": sum(all_lags) / len(all_lags) if all_lags else 0.0,
-            "lag_max": max(all_lags, default=0),
-            "lag_hist": histogram(all_lags),
-            "sample_lag_max": max(sample_lags, default=0),
-            "sample_lag_hist": histogram(sample_lags),
-            "withheld_tokens": withheld,
-            "withheld_by_reason": {f"lag > {max_lag}": withheld} if withheld else {},
-            "loss_lag_max": loss_lag_max,
-            "unscorable": sum(unscorable.values()),
-            "unscorable_by_reason": unscorable,
-        }
-        return TrainBatch(step=step, samples=samples, max_tokens=self.config.sampling.max_tokens), stats
-
     async def _train(self, tg: asyncio.TaskGroup, metrics: list[dict[str, Any]], began: float) -> None:
         run = self.config.run
         loop = asyncio.get_running_loop()
@@ -352,7 +310,9 @@ class Controller:
             groups = await self.buffer.take(run.groups_per_step)
             self._stepping = groups  # out of the buffer, not yet in the ledger
             t_batch = self.clock()
-            batch, stats = self._batch(step, groups)
+            batch, stats = build_batch(
+                step, groups, max_lag=run.max_lag, max_tokens=self.config.sampling.max_tokens, reward_name=run.reward
+            )
             trained: dict[str, float] = {}
             if batch.samples and hasattr(self.trainer, "step_async"):  # a simulated or remote trainer
                 trained = await self.trainer.step_async(batch)

@@ -1,6 +1,8 @@
 """The bridge from the controller to trainer ranks: samples -> `TrainBatch` -> every rank.
 
-`train_sample` turns a scored `Sample` and its advantage into what the trainer consumes.
+`build_batch` turns a step's groups into its `TrainBatch` (stale tokens withheld) and the
+batch's metrics; `train_sample` turns one scored `Sample` and its advantage into what the
+trainer consumes.
 `broadcast` sends a control message from rank 0 to all ranks over torch.distributed (msgpack
 bytes in a uint8 tensor: length first, then payload); ranks other than 0 block in it waiting
 for the next message. The calls are blocking: the controller runs them in a worker thread so
@@ -9,11 +11,15 @@ its event loop keeps streaming. This module does no training and no scheduling.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import torch
 import torch.distributed as dist
 
-from rollflow.records import Sample, TrainBatch, TrainSample
+from rollflow.buffer import lags, withhold_stale
+from rollflow.metrics import histogram
+from rollflow.records import Group, Sample, TrainBatch, TrainSample
 
 
 class Step(msgspec.Struct, frozen=True, tag="step"):
@@ -48,6 +54,55 @@ def train_sample(sample: Sample, advantage: float, loss_mask: list[int] | None =
         top_k=sample.sampling.top_k,
         top_p=sample.sampling.top_p,
     )
+
+
+def build_batch(
+    step: int, groups: list[Group], *, max_lag: int, max_tokens: int, reward_name: str
+) -> tuple[TrainBatch, dict[str, Any]]:
+    """The batch of optimizer step `step` from its groups, and the batch's metrics.
+
+    Unscorable samples stay out (counted by reason); tokens whose lag exceeds `max_lag` are
+    withheld from the loss (`buffer.withhold_stale`) while their sample keeps its advantage.
+    """
+    samples, all_lags, sample_lags, withheld, loss_lag_max = [], [], [], 0, 0
+    rewards: list[float] = []
+    unscorable: dict[str, int] = {}
+    for group in groups:
+        for sample, advantage in zip(group.samples, group.advantages, strict=True):
+            if sample.reward is None:
+                reason = sample.unscorable or "unknown"
+                unscorable[reason] = unscorable.get(reason, 0) + 1
+                continue
+            rewards.append(sample.reward)
+            mask, n = withhold_stale(sample.versions, sample.loss_mask, step, max_lag)
+            withheld += n
+            token_lags = lags(sample.versions, step)
+            for lag, kept in zip(token_lags, mask, strict=True):
+                if kept and lag > loss_lag_max:
+                    loss_lag_max = lag
+            all_lags += token_lags
+            sample_lags.append(max(token_lags, default=0))
+            samples.append(train_sample(sample, advantage, mask))
+    mean = sum(rewards) / len(rewards) if rewards else 0.0
+    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5 if rewards else 0.0
+    stats = {
+        "reward_mean": mean,
+        "reward_std": std,
+        "rewards": {reward_name: {"mean": mean, "std": std}},
+        "samples": len(samples),
+        "tokens": sum(s.num_completion for s in samples),
+        "lag_mean": sum(all_lags) / len(all_lags) if all_lags else 0.0,
+        "lag_max": max(all_lags, default=0),
+        "lag_hist": histogram(all_lags),
+        "sample_lag_max": max(sample_lags, default=0),
+        "sample_lag_hist": histogram(sample_lags),
+        "withheld_tokens": withheld,
+        "withheld_by_reason": {f"lag > {max_lag}": withheld} if withheld else {},
+        "loss_lag_max": loss_lag_max,
+        "unscorable": sum(unscorable.values()),
+        "unscorable_by_reason": unscorable,
+    }
+    return TrainBatch(step=step, samples=samples, max_tokens=max_tokens), stats
 
 
 def broadcast(message: Message | None, *, src: int = 0, group: dist.ProcessGroup | None = None) -> Message:

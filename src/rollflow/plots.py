@@ -75,14 +75,21 @@ def activity(spans: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]
     return {row: union([(s["start"], s["end"]) for s in spans if test(s)]) for row, test in pick.items()}
 
 
+def _extent(rows: dict[str, list[tuple[float, float]]]) -> tuple[float, float]:
+    """First start and last end over all rows."""
+    starts = [iv[0][0] for iv in rows.values() if iv]
+    ends = [iv[-1][1] for iv in rows.values() if iv]
+    return min(starts, default=0.0), max(ends, default=1.0)
+
+
 def _timeline(ax: Any, run: dict[str, Any], title: str, x_max: float | None = None) -> None:
     rows = activity(run["spans"] or [])
-    origin = min((iv[0][0] for iv in rows.values() if iv), default=0.0)
+    origin, end = _extent(rows)
     for y, (name, color) in enumerate(ROWS):
         bars = [(start - origin, end - start) for start, end in rows[name]]
         ax.broken_barh(bars, (len(ROWS) - 1 - y - 0.35, 0.7), facecolors=color)
     ax.set_yticks(range(len(ROWS)), [name for name, _ in reversed(ROWS)])
-    ax.set_xlim(0, x_max if x_max is not None else max((iv[-1][1] - origin for iv in rows.values() if iv), default=1))
+    ax.set_xlim(0, x_max if x_max is not None else end - origin)
     ax.set_xlabel("seconds since the first request")
     ax.set_title(title, fontsize=10, loc="left")
     ax.grid(axis="x", alpha=0.3)
@@ -131,14 +138,10 @@ def plot(directories: list[str | Path], out: str | Path | None = None) -> list[P
     if len(runs) > 1:
         if any(r["spans"] is None for r in runs):
             raise UserInputError("plot: comparing timelines needs trace.json in every run directory")
-        spans_end = [
-            max((e for iv in activity(r["spans"]).values() for _, e in iv), default=0.0)
-            - min((s for iv in activity(r["spans"]).values() for s, _ in iv), default=0.0)
-            for r in runs
-        ]
+        durations = [end - start for start, end in (_extent(activity(r["spans"])) for r in runs)]
         fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.9 * len(runs) + 0.6), sharex=True, squeeze=False)
         for ax, run in zip(axes[:, 0], runs, strict=True):
-            _timeline(ax, run, _summary_title(run), x_max=max(spans_end))
+            _timeline(ax, run, _summary_title(run), x_max=max(durations))
         fig.tight_layout()
         path = Path(out or runs[0]["dir"]) / "timeline_compare.png"
         fig.savefig(path, dpi=110)

@@ -12,6 +12,7 @@ timing per model size and GPU. This package does not train or generate anything.
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -85,8 +86,6 @@ class SimResult:
 
 
 async def _simulate(scenario: Scenario, output_dir: Path) -> SimResult:
-    import asyncio
-
     loop = asyncio.get_running_loop()
     overrides = [
         "model.path=sim",

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from rollflow.engine.fake import FakeEngine
@@ -205,7 +204,9 @@ class SimEngine(FakeEngine):
         """Tokens of requests that ended preempted by a weight update (`resume` / `restart`)."""
 
     async def start(self) -> SimEngine:
-        self._tasks = [asyncio.create_task(self._schedule(r), name="sim-engine") for r in self.replicas]
+        self._tasks = [
+            asyncio.create_task(self._schedule(r), name=f"sim-engine-{i}") for i, r in enumerate(self.replicas)
+        ]
         return self
 
     async def aclose(self) -> None:
@@ -302,7 +303,6 @@ class SimTrainer:
         self.gpus = gpus
         self.lm = nn.Module()  # no parameters: the transport models the bytes
         self.micro_batches: list[tuple[float, float, int, int]] = []
-        self.steps = 0
         self.busy = False
         self.engine: SimEngine | None = None
         """Set when engine and trainer share a host (`contended` factors apply)."""
@@ -324,14 +324,10 @@ class SimTrainer:
             self.busy = False
         tokens = sum(sum(s.loss_mask) for s in batch.samples)
         self.micro_batches = [(began, loop.time(), len(batch.samples), tokens)]
-        self.steps += 1
         return {"ratio_mean": 1.0, "loss": 0.0}
 
     def full_weights(self) -> Any:
         return iter(())
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
 
 
 class SimTransport:
