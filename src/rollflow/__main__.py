@@ -1,10 +1,13 @@
 """`python -m rollflow <command>`: the command line.
 
-Commands: `train` (asynchronous GRPO training), `generate` (sample and score completions
-from the configured model and task), `plot` and `report` (charts and a summary of finished runs),
+Commands: `train` (asynchronous GRPO training; `--resume` continues from the latest checkpoint),
+`generate` (sample and score completions from the configured model and task), `plot` and
+`report` (charts and a summary of finished runs), `ledger` (audit a run's prompt accounting),
 `simulate` (predicted throughput and staleness for a GPU setup).
 User errors (config, data, model path, arguments) print one line naming what is wrong and
-exit with code 2, without a traceback. This module parses arguments and prints; the work
+exit with code 2, without a traceback; other rollflow errors print their message and exit 1.
+During training the first SIGINT or SIGTERM stops after the current step with a checkpoint
+(exit 0); a second SIGINT interrupts at once (exit 130). This module parses arguments and prints; the work
 happens in the library.
 """
 
@@ -14,10 +17,11 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
-from rollflow.errors import UserInputError
+from rollflow.errors import RollflowError, UserInputError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--output-dir", type=Path, required=True, help="where config.toml, metrics.jsonl, ledger.jsonl go"
     )
+    train.add_argument(
+        "--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint"
+    )
+    ledger = commands.add_parser(
+        "ledger", help="audit a run's ledger: trained, dropped by reason, duplicates and missing (exit 1 if any)"
+    )
+    ledger.add_argument("run", type=Path, metavar="DIR", help="output directory of a training run")
     plot = commands.add_parser("plot", help="write PNG charts of finished runs (timeline, reward, staleness)")
     plot.add_argument("runs", nargs="+", type=Path, metavar="DIR", help="output directories of training runs")
     plot.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: the (first) run directory)")
@@ -143,7 +154,7 @@ async def _generate(args: argparse.Namespace) -> int:
 
 async def _train(args: argparse.Namespace) -> int:
     from rollflow.config import load_config
-    from rollflow.controller import train
+    from rollflow.controller import Controller
 
     overrides = list(args.overrides)
     if args.max_steps is not None:
@@ -151,7 +162,33 @@ async def _train(args: argparse.Namespace) -> int:
             raise UserInputError(f"--max-steps: expected a positive number, got {args.max_steps}")
         overrides.append(f"run.max_steps={args.max_steps}")
     config = load_config(args.config, preset=args.preset, overrides=overrides)
-    result = await train(config, args.output_dir)
+    controller = Controller(config, args.output_dir, resume=args.resume)
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+
+    def on_signal(name: str) -> None:
+        if controller.stopping:  # a second signal: stop now
+            main_task.cancel()
+            return
+        print(f"\n{name}: stopping after the current step with a checkpoint (again to stop now)", file=sys.stderr)
+        controller.request_stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    try:
+        result = await controller.run()
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None
+    if result.stopped:
+        print(
+            f"stopped after step {result.first_step + result.steps}; checkpoint {result.checkpoint}; "
+            f"continue with: python -m rollflow train ... --output-dir {args.output_dir} --resume"
+        )
+        return 0
+    if not result.metrics:
+        print(f"nothing to do: output_dir={args.output_dir}")
+        return 0
     first, last = result.metrics[0], result.metrics[-1]
     print(
         f"steps={result.steps} wall_s={result.wall_s:.0f} reward_first={first['reward_mean']:.3f} "
@@ -196,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print(report(args.run))
             return 0
+        if args.command == "ledger":
+            from rollflow.ledger import summarize
+
+            summary = summarize(args.run)
+            print(summary.format())
+            return 0 if summary.ok else 1
         if args.command == "simulate":
             from rollflow.sim.cli import run_simulate
 
@@ -210,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RollflowError as err:
+        logging.getLogger("rollflow").debug("error", exc_info=True)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

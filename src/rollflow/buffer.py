@@ -106,6 +106,10 @@ class GroupBuffer:
             await self._changed.wait_for(lambda: len(self._groups) >= n)
             return [self._groups.popleft() for _ in range(n)]
 
+    def snapshot(self) -> list[Group]:
+        """The groups waiting, oldest first, left in place (what a checkpoint saves)."""
+        return list(self._groups)
+
     def drain(self) -> list[Group]:
         """Remove and return everything (at shutdown, to account for it)."""
         groups = list(self._groups)

@@ -269,6 +269,22 @@ class ObserveConfig(_Section, frozen=True):
     """How often the event-loop lag is sampled (a timer that should fire on time)."""
 
 
+class CheckpointConfig(_Section, frozen=True):
+    enabled: bool = True
+    """Write checkpoints under `checkpoints/` in the output directory: at the end of the run, on
+    a graceful stop (SIGINT / SIGTERM) and every `every` steps."""
+
+    every: NonNegInt = 0
+    """Also checkpoint after every this many optimizer steps (0: only at the end and on a stop)."""
+
+    keep_last: PosInt = 2
+    """Checkpoints kept; older ones are deleted once a newer one is complete."""
+
+    max_nonfinite_steps: PosInt = 3
+    """Consecutive steps with a non-finite loss or gradient that stop the run (each one is
+    skipped: no weights change, its prompts are dropped with the reason)."""
+
+
 class Config(_Section, frozen=True):
     model: ModelConfig = ModelConfig()
     """The policy model."""
@@ -296,6 +312,9 @@ class Config(_Section, frozen=True):
 
     observe: ObserveConfig = ObserveConfig()
     """Metrics sinks and the timeline trace."""
+
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpoints and resume."""
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -9,8 +9,11 @@ Two loops run at once under one TaskGroup:
   -> admission advances -> metrics and ledger lines.
 
 Every prompt ends in `ledger.jsonl` exactly once: trained (at step s) or dropped (with a reason).
-Shutdown, on completion, error or Ctrl-C, cancels in-flight rollouts (their engine requests are
-aborted) and closes the engine. With several trainer ranks, rank 0 runs this controller and the
+Checkpoints (`rollflow.checkpoint`) are taken between steps, at the end and on `request_stop`
+(SIGINT / SIGTERM in the CLI); they hold the buffer and every in-flight sample's progress, and a
+run built with `resume=True` continues from the latest one without repeating or skipping a
+prompt. Shutdown, on completion, error or Ctrl-C, cancels in-flight rollouts (their engine
+requests are aborted) and closes the engine. With several trainer ranks, rank 0 runs this controller and the
 others run `follow`. This module does not compute losses or move weights itself.
 """
 
@@ -27,17 +30,30 @@ from typing import Any
 
 import msgspec
 
+from rollflow import faults
 from rollflow.advantage import group_advantages
 from rollflow.buffer import Admission, GroupBuffer
+from rollflow.checkpoint import (
+    CHECKPOINTS,
+    PendingGroup,
+    RunState,
+    clean_temporary,
+    latest_checkpoint,
+    read_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from rollflow.config import Config, dump_config
 from rollflow.engine.vllm import VLLMEngine
-from rollflow.errors import EngineDeadError, EngineError, UserInputError
+from rollflow.errors import EngineDeadError, EngineError, TrainingError, UserInputError
 from rollflow.evaluate import EvalReport, evaluate, sampling_spec
-from rollflow.handoff import Step, Stop, Sync, broadcast, build_batch
+from rollflow.handoff import Load, Save, Step, Stop, Sync, broadcast, build_batch
+from rollflow.ledger import LEDGER, LedgerEntry, truncate
 from rollflow.metrics import JsonlSink, LoopLag, make_sinks
 from rollflow.models import chat_encoder, load_tokenizer, resolve_model
 from rollflow.records import Group, Prompt, Sample, TrainBatch
-from rollflow.rollout import rollout
+from rollflow.rollout import PartialSample, Progress, rollout
 from rollflow.sampler import Sampler
 from rollflow.scoring import make_scorer
 from rollflow.trace import Trace
@@ -45,18 +61,6 @@ from rollflow.trainer import Trainer
 from rollflow.weight_sync import make_transport, plan_for, publish
 
 log = logging.getLogger(__name__)
-
-
-class LedgerEntry(msgspec.Struct, omit_defaults=True):
-    """One line of ledger.jsonl: what became of one prompt."""
-
-    id: str
-    outcome: str
-    """`trained` or `dropped`."""
-    step: int | None = None
-    reason: str | None = None
-    tokens: list[int] | None = None
-    """Completion lengths of the group's samples (trained prompts)."""
 
 
 class RunResult(msgspec.Struct):
@@ -71,6 +75,12 @@ class RunResult(msgspec.Struct):
     eval_after: EvalReport | None = None
     engine_busy_s: float = 0.0
     """Wall time with at least one group generating."""
+    first_step: int = 0
+    """The step this run started at (> 0 when resumed from a checkpoint)."""
+    stopped: bool = False
+    """Stopped early by `request_stop`; the checkpoint holds the work in progress."""
+    checkpoint: str | None = None
+    """The last checkpoint written."""
 
 
 class Controller:
@@ -87,11 +97,14 @@ class Controller:
         transport: Any = None,
         tokenizer: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        resume: bool = False,
     ):
         """`engine`, `trainer`, `transport` and `tokenizer` default to the real ones built from the
         config; tests pass fakes that honour the same interfaces, and the simulator passes simulated
-        ones with its virtual `clock` (the event loop's time)."""
+        ones with its virtual `clock` (the event loop's time). `resume`: continue the run in
+        `output_dir` from its latest checkpoint."""
         self.clock = clock
+        self.resume = resume
         self.config = config
         self._given = {"engine": engine, "trainer": trainer, "transport": transport, "tokenizer": tokenizer}
         self.output_dir = Path(output_dir)
@@ -116,18 +129,33 @@ class Controller:
         """Every trainer step runs on this one thread, so the event loop keeps streaming."""
         self.engine_busy_s = 0.0
         """Wall time with at least one group generating (the engine's busy time)."""
+        self._progress: dict[str, tuple[Prompt, str, list[Progress]]] = {}
+        """Groups generating or being scored, with each sample's progress (what a checkpoint saves)."""
+        self._consumed: list[str] = []
+        self._stop = asyncio.Event()
+        self._pending_saved = False
+        """The buffer and in-flight groups live on in a checkpoint: they are not dropped at exit."""
+        self._restored: RunState | None = None
+        self._first_step = 0
+        self._wall_offset = 0.0
+        self._nonfinite_streak = 0
+        self._last_checkpoint: Path | None = None
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was requested."""
+        return self._stop.is_set()
+
+    def request_stop(self) -> None:
+        """Stop after the current step: checkpoint the run with its work in progress and return
+        (the CLI calls this on SIGINT / SIGTERM). Safe to call from a signal handler on the loop."""
+        self._stop.set()
 
     # ---- the run ------------------------------------------------------------------------
 
     async def run(self) -> RunResult:
         cfg = self.config
-        existing = [n for n in ("metrics.jsonl", "ledger.jsonl") if (self.output_dir / n).exists()]
-        if existing:
-            raise UserInputError(
-                f"{self.output_dir}: already holds a run ({', '.join(existing)}); choose a new output directory "
-                "(resuming a run is not supported yet)"
-            )
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint = self._prepare_output_dir()
         (self.output_dir / "config.toml").write_text(dump_config(cfg))
         began = self.clock()
         self.trace = Trace(cfg.observe.trace_max_events, began=began)
@@ -140,7 +168,9 @@ class Controller:
             mode=cfg.observe.wandb_mode,
             config=msgspec.to_builtins(cfg),
         )
-        self.ledger = JsonlSink(self.output_dir / "ledger.jsonl")
+        self.metrics_file = JsonlSink(self.output_dir / "metrics.jsonl")
+        self.sinks.insert(0, self.metrics_file)
+        self.ledger = JsonlSink(self.output_dir / LEDGER)
         given = self._given
         needs_model = any(given[k] is None for k in ("tokenizer", "trainer", "engine"))
         model_path = resolve_model(cfg.model.path) if needs_model else Path(cfg.model.path)
@@ -161,25 +191,37 @@ class Controller:
         metrics: list[dict[str, Any]] = []
         eval_before = eval_after = None
         try:
+            if checkpoint is not None:
+                await self._restore(checkpoint)
             await self.engine.start()
             if not cfg.trainer.lora.enabled:
                 await self.transport.connect(self.engine)
                 specs = [(n, t.dtype, tuple(t.shape)) for n, t in self._weight_specs()]
                 self.plan = plan_for(specs)
-            if cfg.run.eval_prompts:
+            if self._first_step > 0:
+                await self._restore_engine_weights()
+            if cfg.run.eval_prompts and checkpoint is None:
                 eval_before = await self._evaluate()
-            async with asyncio.TaskGroup() as tg:
-                producer = tg.create_task(self._produce(tg), name="producer")
-                probe = tg.create_task(self.loop_lag.run(), name="loop-lag")
-                try:
-                    await self._train(tg, metrics, began)
-                finally:
-                    await self.admission.close()
-                    producer.cancel()
-                    probe.cancel()
-                    for task in self._inflight.values():
-                        task.cancel()
-            if cfg.run.eval_prompts:
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    producer = tg.create_task(self._produce(tg), name="producer")
+                    probe = tg.create_task(self.loop_lag.run(), name="loop-lag")
+                    try:
+                        await self._train(tg, metrics, began)
+                    finally:
+                        await self.admission.close()
+                        producer.cancel()
+                        probe.cancel()
+                        for task in self._inflight.values():
+                            task.cancel()
+            except ExceptionGroup as group:
+                if len(group.exceptions) == 1:  # one task failed (the usual case): raise its error
+                    raise group.exceptions[0] from None
+                raise
+            if not self._stop.is_set() and cfg.checkpoint.enabled:
+                self._account_leftovers()  # the final checkpoint holds no work in progress
+                await self._checkpoint(cfg.run.max_steps, began)
+            if cfg.run.eval_prompts and not self._stop.is_set():
                 eval_after = await self._evaluate()
         finally:
             self._account_leftovers()
@@ -202,7 +244,132 @@ class Controller:
             eval_before=eval_before,
             eval_after=eval_after,
             engine_busy_s=self.engine_busy_s,
+            first_step=self._first_step,
+            stopped=self._stop.is_set(),
+            checkpoint=str(self._last_checkpoint) if self._last_checkpoint else None,
         )
+
+    def _prepare_output_dir(self) -> Path | None:
+        """Check the output directory for a new or a resumed run; returns the checkpoint to
+        resume from. On resume, the ledger and metrics are cut back to the checkpoint."""
+        out = self.output_dir
+        existing = [n for n in ("metrics.jsonl", LEDGER) if (out / n).exists()]
+        if not self.resume:
+            if existing:
+                raise UserInputError(
+                    f"{out}: already holds a run ({', '.join(existing)}); resume it with --resume "
+                    "or choose a new output directory"
+                )
+            out.mkdir(parents=True, exist_ok=True)
+            return None
+        checkpoint = latest_checkpoint(out)
+        if checkpoint is None:
+            raise UserInputError(f"{out}: no checkpoint to resume from in {out / CHECKPOINTS}; start without --resume")
+        clean_temporary(out)
+        state = read_state(checkpoint)
+        if state.step >= self.config.run.max_steps:
+            raise UserInputError(
+                f"{checkpoint}: the run already did {state.step} steps (run.max_steps = {self.config.run.max_steps}); "
+                "raise --max-steps to train further"
+            )
+        truncate(out / LEDGER, state.ledger_bytes)
+        truncate(out / "metrics.jsonl", state.metrics_bytes)
+        self._restored = state
+        log.info("resuming from %s (step %d)", checkpoint, state.step)
+        return checkpoint
+
+    async def _restore(self, checkpoint: Path) -> None:
+        """Put the trainer, sampler, admission, buffer and counters back as the checkpoint has them
+        (in-flight groups are relaunched by the producer, engine weights after the engine starts)."""
+        state = self._restored
+        assert state is not None
+        path = checkpoint / "trainer"
+
+        def load() -> None:
+            if self.trainer.world_size > 1:
+                broadcast(Load(path=str(path), rest=msgspec.msgpack.encode(state.trainer)))
+            self.trainer.load(path, state.trainer)
+
+        await asyncio.get_running_loop().run_in_executor(self._trainer_thread, load)
+        set_rng_state(state.rng)
+        self.sampler.load_state_dict(state.sampler)
+        self._consumed = list(state.consumed)
+        self._group_seq = state.group_seq
+        self._trained = state.trained
+        self._dropped = dict(state.dropped)
+        self._nonfinite_streak = state.nonfinite_streak
+        self._first_step = state.step
+        self._wall_offset = state.wall_s
+        self.admission.started = state.started
+        await self.admission.advance(state.step)
+        for group in state.buffer:
+            await self.buffer.put(group)
+
+    async def _restore_engine_weights(self) -> None:
+        """Load the restored trainer's weights into the fresh engine, labelled with the
+        checkpoint's version, before anything is generated."""
+        cfg = self.config
+        version = self._first_step
+        if cfg.trainer.lora.enabled:
+            weights = self.trainer.adapter_weights()
+            await self.engine.update_adapter(weights, self.trainer.adapter_config(), version=version)
+            return
+        if self.trainer.world_size > 1:
+            await asyncio.to_thread(broadcast, Sync())
+        await self.transport.stage(self.plan, self.trainer.full_weights())
+        await publish(self.engine, self.transport, self.plan, version=version)
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    def _snapshot(self, step: int, began: float) -> RunState:
+        """The run's state at this instant (no await inside: nothing changes while it is taken)."""
+        return RunState(
+            step=step,
+            wall_s=self.clock() - began + self._wall_offset,
+            trainer={},
+            rng=rng_state(),
+            sampler=self.sampler.state_dict(),
+            consumed=list(self._consumed),
+            group_seq=self._group_seq,
+            started=self.admission.started,
+            trained=self._trained,
+            dropped=dict(self._dropped),
+            nonfinite_streak=self._nonfinite_streak,
+            buffer=self.buffer.snapshot(),
+            in_flight=[
+                PendingGroup(prompt=prompt, group_id=group_id, samples=[p.snapshot(self.engine) for p in progress])
+                for prompt, group_id, progress in self._progress.values()
+            ],
+            ledger_bytes=self.ledger.sync(),
+            metrics_bytes=self.metrics_file.sync(),
+        )
+
+    async def _checkpoint(self, step: int, began: float, *, keep_pending: bool = False) -> Path:
+        """Write a checkpoint after `step` steps. `keep_pending`: the run is stopping; its
+        buffered and in-flight work is saved and then cancelled without being dropped."""
+        state = self._snapshot(step, began)
+        if keep_pending:
+            self._pending_saved = True
+            await self.admission.close()
+            for task in self._inflight.values():
+                task.cancel()
+        began_write = self.clock()
+
+        def save_tensors(path: Path) -> dict[str, Any]:
+            if self.trainer.world_size > 1:
+                broadcast(Save(path=str(path)))
+            return self.trainer.save(path)
+
+        def write() -> Path:
+            return save_checkpoint(
+                self.output_dir, state, save_tensors, step=step, keep_last=self.config.checkpoint.keep_last
+            )
+
+        path = await asyncio.get_running_loop().run_in_executor(self._trainer_thread, write)
+        self.trace.span("checkpoint", "trainer", began_write, self.clock(), step=step, path=path.name)
+        self._last_checkpoint = path
+        log.info("checkpoint %s written in %.1f s", path, self.clock() - began_write)
+        return path
 
     def _bind_trainer_thread(self) -> None:
         cpus = self.config.run.trainer_cpus
@@ -217,20 +384,36 @@ class Controller:
 
     async def _produce(self, tg: asyncio.TaskGroup) -> None:
         group_size = self.config.rollout.group_size
+        if self._restored is not None:  # groups in flight at the checkpoint continue first
+            for pending in self._restored.in_flight:
+                self._launch(tg, pending.prompt, pending.group_id, pending.samples)
+            self._restored = None
         while await self.admission.acquire(group_size):
             prompt = self.sampler.next()
+            self._consumed.append(prompt.id)
             group_id = f"g{self._group_seq}"
             self._group_seq += 1
-            if not self._inflight:
-                self._busy_since = self.clock()
-            self._inflight[prompt.id] = tg.create_task(self._group(prompt, group_id), name=f"group-{prompt.id}")
+            self._launch(tg, prompt, group_id, [PartialSample() for _ in range(group_size)])
 
-    async def _group(self, prompt: Prompt, group_id: str) -> None:
+    def _launch(self, tg: asyncio.TaskGroup, prompt: Prompt, group_id: str, start: list[PartialSample]) -> None:
+        if not self._inflight:
+            self._busy_since = self.clock()
+        progress = [Progress(s) for s in start]
+        self._progress[prompt.id] = (prompt, group_id, progress)
+        self._inflight[prompt.id] = tg.create_task(self._group(prompt, group_id, progress), name=f"group-{prompt.id}")
+
+    async def _group(self, prompt: Prompt, group_id: str, progress: list[Progress]) -> None:
+        try:
+            await self._generate_and_score(prompt, group_id, progress)
+        finally:
+            self._progress.pop(prompt.id, None)
+
+    async def _generate_and_score(self, prompt: Prompt, group_id: str, progress: list[Progress]) -> None:
         cfg = self.config
         # Owned here: awaited together below, and cancelled together if any fails.
         tasks = [
-            asyncio.create_task(self._rollout(prompt, group_id, i), name=f"rollout-{group_id}/{i}")
-            for i in range(cfg.rollout.group_size)
+            asyncio.create_task(self._rollout(prompt, group_id, i, p), name=f"rollout-{group_id}/{i}")
+            for i, p in enumerate(progress)
         ]
         try:
             samples = await asyncio.gather(*tasks)
@@ -241,7 +424,8 @@ class Controller:
             await asyncio.gather(*tasks, return_exceptions=True)
             self._finished(prompt.id)
             if isinstance(err, asyncio.CancelledError):
-                self._drop(prompt.id, "run ended: in flight")
+                if not self._pending_saved:
+                    self._drop(prompt.id, "run ended: in flight")
                 raise
             if isinstance(err, EngineError) and not isinstance(err, EngineDeadError):
                 self._drop(prompt.id, f"engine error: {err}")
@@ -262,12 +446,18 @@ class Controller:
         adv = group_advantages([s.reward for s in scored], estimator=cfg.loss.advantage, scale_std=cfg.loss.scale_std)
         await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages))
 
-    async def _rollout(self, prompt: Prompt, group_id: str, index: int) -> Sample:
+    async def _rollout(self, prompt: Prompt, group_id: str, index: int, progress: Progress) -> Sample:
         lane = self.trace.lane()
         version, began = self.engine.version, self.clock()
         try:
             sample = await rollout(
-                self.engine, prompt, self.spec, group_id=group_id, index=index, partial=self.config.rollout.partial
+                self.engine,
+                prompt,
+                self.spec,
+                group_id=group_id,
+                index=index,
+                partial=self.config.rollout.partial,
+                progress=progress,
             )
         except BaseException:
             self.trace.span("generate (ended early)", lane, began, self.clock(), prompt=prompt.id, sample=index)
@@ -304,10 +494,13 @@ class Controller:
     async def _train(self, tg: asyncio.TaskGroup, metrics: list[dict[str, Any]], began: float) -> None:
         run = self.config.run
         loop = asyncio.get_running_loop()
-        for step in range(run.max_steps):
+        every = self.config.checkpoint.every if self.config.checkpoint.enabled else 0
+        for step in range(self._first_step, run.max_steps):
             t0 = self.clock()
             tokens_before, busy_before = self._generated_tokens, self._busy_total()
-            groups = await self.buffer.take(run.groups_per_step)
+            groups = await self._take_or_stop(run.groups_per_step)
+            if groups is None:
+                break
             self._stepping = groups  # out of the buffer, not yet in the ledger
             t_batch = self.clock()
             batch, stats = build_batch(
@@ -324,14 +517,20 @@ class Controller:
                 self.trace.span(
                     "micro-batch", "trainer", start, end, step=step, index=i, samples=n_samples, tokens=n_tokens
                 )
+            faults.point("step-trained")
             staged_bytes = await self._publish(tg)
             t_sync = self.clock()
             self.trace.span("stage weights", "weight sync", t_step, t_sync, step=step, bytes=staged_bytes)
+            skipped = bool(trained.get("skipped"))
             for group in groups:
+                if skipped:
+                    self._drop(group.prompt.id, f"non-finite loss: step {step} was skipped")
+                    continue
                 lengths = [sample.num_tokens for sample in group.samples]
                 self.ledger.write(LedgerEntry(id=group.prompt.id, outcome="trained", step=step, tokens=lengths))
-            self._trained += len(groups)
+            self._trained += 0 if skipped else len(groups)
             self._stepping = []
+            self._nonfinite_streak = self._nonfinite_streak + 1 if skipped else 0
             interval = t_sync - t0
 
             def per_s(amount: float, interval: float = interval) -> float:
@@ -356,7 +555,7 @@ class Controller:
                 "buffer_groups": len(self.buffer),
                 "engine_busy_s": busy,
                 **self.loop_lag.take(),
-                "wall_s": t_sync - began,
+                "wall_s": t_sync - began + self._wall_offset,
                 "loss_tokens": trained.get("tokens", 0.0),
                 **{k: v for k, v in trained.items() if k not in ("ratio_mean", "tokens")},
             }
@@ -365,9 +564,44 @@ class Controller:
                 sink.write(row)
             if self.on_step is not None:
                 self.on_step(row)
+            if self._nonfinite_streak >= self.config.checkpoint.max_nonfinite_steps:
+                where = "checkpoints are off (checkpoint.enabled = false)"
+                if self.config.checkpoint.enabled:
+                    saved = await self._checkpoint(step + 1, began, keep_pending=True)
+                    where = f"the last good weights and all pending work are in {saved}; resume with --resume"
+                raise TrainingError(
+                    f"{self._nonfinite_streak} steps in a row had a non-finite loss or gradient (last: step {step}); "
+                    f"stopping: {where}. Lower trainer.lr or check the rewards first"
+                )
+            if self._stop.is_set():
+                break
+            if every and (step + 1) % every == 0 and step + 1 < run.max_steps:
+                await self._checkpoint(step + 1, began)
+        if self._stop.is_set():
+            if self.config.checkpoint.enabled:
+                await self._checkpoint(self._steps_done(metrics), began, keep_pending=True)
+            return
         await self.admission.close()  # no step is left to consume new samples
         if self._update is not None:
             await self._update  # the last step's weights are in the engine when the run returns
+
+    def _steps_done(self, metrics: list[dict[str, Any]]) -> int:
+        return metrics[-1]["step"] + 1 if metrics else self._first_step
+
+    async def _take_or_stop(self, n: int) -> list[Group] | None:
+        """The next `n` groups, or None if a stop is requested first."""
+        if self._stop.is_set():
+            return None
+        take = asyncio.ensure_future(self.buffer.take(n))
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({take, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not take.done():
+                take.cancel()
+            await asyncio.gather(take, stop, return_exceptions=True)
+        return take.result() if not take.cancelled() else None
 
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         if self.trainer.world_size > 1:
@@ -402,6 +636,7 @@ class Controller:
 
     async def _load_into_engine(self) -> None:
         began = self.clock()
+        faults.point("weight-sync")
         await publish(self.engine, self.transport, self.plan, partial=self.config.rollout.partial)
         self._updated(began)
         await self.admission.advance(self.engine.version)
@@ -432,7 +667,11 @@ class Controller:
         self._dropped[key] = self._dropped.get(key, 0) + 1
 
     def _account_leftovers(self) -> None:
-        """Prompts started but not trained when the run ends are dropped with a reason."""
+        """Prompts started but not trained when the run ends are dropped with a reason (unless a
+        checkpoint of a stopped run holds them)."""
+        if self._pending_saved:
+            self._inflight.clear()
+            return
         for group in self._stepping:
             self._drop(group.prompt.id, "run ended: its step was interrupted")
         self._stepping = []
@@ -453,10 +692,21 @@ def follow(trainer: Trainer) -> None:
             case Sync():
                 for _ in trainer.full_weights():
                     pass
+            case Save(path=path):
+                trainer.save(Path(path))
+            case Load(path=path, rest=rest):
+                trainer.load(Path(path), msgspec.msgpack.decode(rest))
             case Stop():
                 return
 
 
-async def train(config: Config, output_dir: str | Path, *, on_step: Callable[[dict], None] | None = None) -> RunResult:
-    """Run training in the current event loop; writes config.toml, metrics.jsonl and ledger.jsonl."""
-    return await Controller(config, output_dir, on_step=on_step).run()
+async def train(
+    config: Config,
+    output_dir: str | Path,
+    *,
+    on_step: Callable[[dict], None] | None = None,
+    resume: bool = False,
+) -> RunResult:
+    """Run training in the current event loop; writes config.toml, metrics.jsonl, ledger.jsonl
+    and checkpoints. `resume`: continue the run in `output_dir` from its latest checkpoint."""
+    return await Controller(config, output_dir, on_step=on_step, resume=resume).run()

@@ -50,3 +50,12 @@ class WeightSyncError(RollflowError):
 
 class WeightSyncTimeout(WeightSyncError, RetryableError):
     """A weight update passed its deadline; the message names the stage that stalled."""
+
+
+class CheckpointError(RollflowError):
+    """A checkpoint could not be written or read; the message names it and what was kept."""
+
+
+class TrainingError(RollflowError):
+    """Training cannot go on (e.g. repeated non-finite losses); a checkpoint of the last good
+    state has been written when possible."""

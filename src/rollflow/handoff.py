@@ -36,7 +36,21 @@ class Stop(msgspec.Struct, frozen=True, tag="stop"):
     """Leave the follower loop."""
 
 
-Message = Step | Sync | Stop
+class Save(msgspec.Struct, frozen=True, tag="save"):
+    """Write this rank's trainer shard into the checkpoint folder `path`."""
+
+    path: str
+
+
+class Load(msgspec.Struct, frozen=True, tag="load"):
+    """Restore this rank's trainer shard from the checkpoint folder `path`."""
+
+    path: str
+    rest: bytes
+    """The non-tensor trainer state (msgpack)."""
+
+
+Message = Step | Sync | Stop | Save | Load
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

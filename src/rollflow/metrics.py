@@ -17,6 +17,7 @@ is blocking the loop that streams tokens. This module computes no training metri
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -64,6 +65,12 @@ class JsonlSink:
     def write(self, row: Any) -> None:
         self._file.write(msgspec.json.encode(row) + b"\n")
         self._file.flush()
+
+    def sync(self) -> int:
+        """Force the lines to disk; returns the file's length in bytes (what a checkpoint records)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        return self._file.tell()
 
     def close(self) -> None:
         self._file.close()
@@ -172,8 +179,8 @@ def make_sinks(
     mode: Literal["offline", "online"] = "offline",
     config: dict[str, Any] | None = None,
 ) -> list[MetricsSink]:
-    """`metrics.jsonl` first, then the configured sinks."""
-    sinks: list[MetricsSink] = [JsonlSink(output_dir / "metrics.jsonl")]
+    """The configured sinks (`metrics.jsonl`, always written, is the caller's `JsonlSink`)."""
+    sinks: list[MetricsSink] = []
     for name in names:
         if name == "console":
             sinks.append(ConsoleSink(total_steps))

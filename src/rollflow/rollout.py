@@ -10,7 +10,10 @@ a weight update preempts the request (`resume` / `restart` partial modes), it re
   is resubmitted for the remaining budget, re-prefilled under the new weights.
 - `restart`: the tokens so far are discarded and the sample starts again from the prompt.
 
-Cancellation aborts the engine request and re-raises. Scoring and grouping happen elsewhere.
+A rollout can start from a saved prefix (`PartialSample`, from a checkpoint) and exposes its
+progress while it runs (`Progress.snapshot`), tokens still streaming in the engine included,
+so a checkpoint can save it and a resumed run continue it. Cancellation aborts the engine
+request and re-raises. Scoring and grouping happen elsewhere.
 """
 
 from __future__ import annotations
@@ -26,6 +29,42 @@ from rollflow.records import Prompt, Sample, SamplingSpec, Timing
 
 MAX_INTERRUPTIONS = 64
 """A sample preempted more often than this is an error: updates are outpacing generation."""
+
+
+class PartialSample(msgspec.Struct, kw_only=True):
+    """A sample's progress: tokens so far with their log-probs and versions, or the finished
+    sample. What a checkpoint saves of a rollout in flight, and what a resumed one starts from."""
+
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    interruptions: int = 0
+    done: Sample | None = None
+    """The finished sample (its group is still generating)."""
+
+
+class Progress:
+    """A running rollout's progress, readable between awaits."""
+
+    def __init__(self, start: PartialSample | None = None) -> None:
+        self.saved = start or PartialSample()
+        """Tokens of earlier requests of this sample (before a preemption or a resume)."""
+        self.request_id: str | None = None
+        """The engine request streaming the rest, if one is running."""
+
+    def snapshot(self, engine: Engine) -> PartialSample:
+        """A copy of the progress, with the tokens the running request has produced so far."""
+        saved = self.saved
+        if saved.done is not None:
+            return PartialSample(done=saved.done)
+        live = engine.partial(self.request_id) if self.request_id is not None else None
+        extra = live or EngineOutput([], [], versions=[])
+        return PartialSample(
+            tokens=saved.tokens + extra.token_ids,
+            logprobs=saved.logprobs + extra.logprobs,
+            versions=saved.versions + (extra.versions or []),
+            interruptions=saved.interruptions,
+        )
 
 
 async def _stream_once(engine: Engine, request_id: str, token_ids: list[int], sampling: SamplingSpec) -> EngineOutput:
@@ -51,18 +90,38 @@ async def rollout(
     group_id: str,
     index: int,
     partial: PartialMode = "keep",
+    progress: Progress | None = None,
 ) -> Sample:
-    """Generate sample `index` of `group_id` for `prompt`."""
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    versions: list[int] = []
-    interruptions = 0
+    """Generate sample `index` of `group_id` for `prompt`, continuing from `progress` if given
+    (a prefix saved by a checkpoint; discarded in `restart` mode)."""
+    progress = progress or Progress()
+    start = progress.saved
+    if start.done is not None:
+        return start.done
+    keep_prefix = partial != "restart"
+    # The progress object owns these lists: rollout extends them in place as tokens arrive.
+    tokens = start.tokens if keep_prefix else []
+    logprobs = start.logprobs if keep_prefix else []
+    versions = start.versions if keep_prefix else []
+    progress.saved = PartialSample(
+        tokens=tokens, logprobs=logprobs, versions=versions, interruptions=start.interruptions
+    )
+    interruptions = start.interruptions
+    resumed = bool(start.tokens or start.interruptions)
     submitted = time.monotonic()
     first_token: float | None = None
     while True:
-        request_id = f"{group_id}/{index}" + (f"#{interruptions}" if interruptions else "")
+        if len(tokens) >= sampling.max_tokens:  # a saved prefix that had used the whole budget
+            finish_reason = "length"
+            break
+        attempt = interruptions + resumed
+        request_id = f"{group_id}/{index}" + (f"#{attempt}" if attempt else "")
         budget = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(tokens))
-        out = await _stream_once(engine, request_id, prompt.token_ids + tokens, budget)
+        progress.request_id = request_id
+        try:
+            out = await _stream_once(engine, request_id, prompt.token_ids + tokens, budget)
+        finally:
+            progress.request_id = None
         if first_token is None and out.token_ids:
             first_token = time.monotonic()
         if out.finish_reason == "preempted":
@@ -72,30 +131,31 @@ async def rollout(
                     f"sample {request_id} was preempted {interruptions} times; updates outpace generation"
                 )
             if partial == "restart":
-                tokens, logprobs, versions = [], [], []
+                del tokens[:], logprobs[:], versions[:]
             else:
                 tokens += out.token_ids
                 logprobs += out.logprobs
                 versions += out.versions or []
-            if len(tokens) < sampling.max_tokens:
-                continue
-            finish_reason = "length"
-        else:
-            tokens += out.token_ids
-            logprobs += out.logprobs
-            versions += out.versions or []
-            finish_reason = out.finish_reason or "stop"
-        return Sample(
-            prompt_id=prompt.id,
-            group_id=group_id,
-            index=index,
-            prompt_token_ids=prompt.token_ids,
-            completion_token_ids=tokens,
-            logprobs=logprobs,
-            versions=versions,
-            loss_mask=[1] * len(tokens),
-            finish_reason=finish_reason,
-            sampling=sampling,
-            interruptions=interruptions,
-            timing=Timing(submitted=submitted, first_token=first_token, finished=time.monotonic()),
-        )
+            progress.saved.interruptions = interruptions
+            continue
+        tokens += out.token_ids
+        logprobs += out.logprobs
+        versions += out.versions or []
+        finish_reason = out.finish_reason or "stop"
+        break
+    sample = Sample(
+        prompt_id=prompt.id,
+        group_id=group_id,
+        index=index,
+        prompt_token_ids=prompt.token_ids,
+        completion_token_ids=tokens,
+        logprobs=logprobs,
+        versions=versions,
+        loss_mask=[1] * len(tokens),
+        finish_reason=finish_reason,
+        sampling=sampling,
+        interruptions=interruptions,
+        timing=Timing(submitted=submitted, first_token=first_token, finished=time.monotonic()),
+    )
+    progress.saved = PartialSample(done=sample)
+    return sample

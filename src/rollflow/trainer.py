@@ -14,10 +14,12 @@ This module does not decide what to train on, and does not talk to the engine.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -241,14 +243,20 @@ class Trainer:
         """One optimizer step on the whole batch; returns metrics (identical on every rank)."""
         sums, low, high = self.accumulate(batch)
         grad_norm = self._clip()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
         if self.distributed:
             dist.all_reduce(sums)
             dist.all_reduce(low, op=dist.ReduceOp.MIN)
             dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        # A non-finite loss or gradient changes nothing: no update, no scheduler tick. The norm
+        # and the loss are global, so every rank takes the same branch.
+        skipped = not math.isfinite(grad_norm) or not math.isfinite(float(sums[0]))
+        if skipped:
+            log.warning("step %d: non-finite loss or gradient (grad norm %s); step skipped", batch.step, grad_norm)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
         n = max(sums[1].item(), 1.0)
         return {
             "loss": sums[0].item(),
@@ -264,6 +272,7 @@ class Trainer:
             "outside_support_tokens": sums[8].item(),
             "grad_norm": grad_norm,
             "lr": float(self.scheduler.get_last_lr()[0]),
+            "skipped": float(skipped),
         }
 
     def accumulate(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -451,6 +460,31 @@ class Trainer:
         model, optim = get_state_dict(self.module, self.optimizer)
         return {"model": model, "optimizer": optim, "scheduler": self.scheduler.state_dict(), "steps": self.steps}
 
+    def save(self, path: Path) -> dict[str, Any]:
+        """Write the model (or adapter) and optimizer tensors to the folder `path` with
+        torch.distributed.checkpoint (each rank writes its shard; every rank calls this together);
+        returns the rest of the state (scheduler, step count) for the caller to store."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self.state_dict()
+        with _single_process_dcp():
+            dcp.save(
+                {"model": state["model"], "optimizer": state["optimizer"]},
+                checkpoint_id=path,
+                no_dist=not self.distributed,
+            )
+        return {"scheduler": state["scheduler"], "steps": state["steps"]}
+
+    def load(self, path: Path, rest: dict[str, Any]) -> None:
+        """Restore what `save` wrote (every rank calls this together)."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self.state_dict()  # the layout to load into, optimizer state included
+        tensors = {"model": state["model"], "optimizer": state["optimizer"]}
+        with _single_process_dcp():
+            dcp.load(tensors, checkpoint_id=path, no_dist=not self.distributed)
+        self.load_state_dict({**tensors, **rest})
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -459,6 +493,14 @@ class Trainer:
         )
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
+
+
+@contextlib.contextmanager
+def _single_process_dcp() -> Iterator[None]:
+    """torch.distributed.checkpoint warns on every single-process save, which is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -491,3 +533,12 @@ class FakeTrainer:
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(())
+
+    def save(self, path: Path) -> dict[str, Any]:
+        path.mkdir(parents=True, exist_ok=True)
+        return {"steps": len(self.batches)}
+
+    def load(self, path: Path, rest: dict[str, Any]) -> None:
+        if not path.is_dir():
+            raise FileNotFoundError(path)
+        self.resumed_at = int(rest["steps"])

@@ -111,7 +111,7 @@ def _controller(output_dir, clock):
     config = load_config(
         preset="tiny",
         overrides=["run.max_lag=1", "run.max_steps=5", "run.groups_per_step=2", "rollout.group_size=2",
-                   "sampling.max_tokens=5", "observe.sinks=[]"],
+                   "sampling.max_tokens=5", "observe.sinks=[]", "checkpoint.enabled=false"],
     )
     trainer_profile = TrainerProfile(s_per_token=0.0, fixed_s=0.15, sync_fixed_s=0.02)
     return Controller(

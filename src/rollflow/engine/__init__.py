@@ -57,6 +57,11 @@ class Engine(Protocol):
         """
         ...
 
+    def partial(self, request_id: str) -> EngineOutput | None:
+        """The tokens, log-probs and versions a running request has produced so far, or None
+        if it is not running (what a checkpoint saves of a sample in flight)."""
+        ...
+
     async def abort(self, request_id: str) -> None:
         """End a request; its stream finishes with `finish_reason="abort"`."""
         ...

@@ -73,6 +73,7 @@ class FakeEngine:
         self._aborted: set[str] = set()
         self._preempted: set[str] = set()
         self._live: set[str] = set()
+        self._progress: dict[str, tuple[list[int], list[float], list[int]]] = {}
         self._lock = asyncio.Lock()
         self.tokens_generated = 0
         self.updates = 0
@@ -91,6 +92,8 @@ class FakeEngine:
         self._live.add(request_id)
         state = context_state(prompt_token_ids)
         versions: list[int] = []
+        produced: tuple[list[int], list[float], list[int]] = ([], [], versions)
+        self._progress[request_id] = produced
         stop_at = self._stop_at(request_id, prompt_token_ids)
         try:
             while True:
@@ -118,6 +121,8 @@ class FakeEngine:
                     versions.append(self._version)
                     tokens.append(token)
                     logprobs.append(logprob)
+                    produced[0].append(token)
+                    produced[1].append(logprob)
                     self.tokens_generated += 1
                     if token == EOS_TOKEN and not sampling.ignore_eos:
                         finish = "stop"
@@ -133,6 +138,7 @@ class FakeEngine:
         finally:
             self._leave(request_id, len(versions))
             self._live.discard(request_id)
+            self._progress.pop(request_id, None)
             self._aborted.discard(request_id)
             self._preempted.discard(request_id)
 
@@ -147,6 +153,14 @@ class FakeEngine:
     def _leave(self, request_id: str, tokens: int) -> None:
         """The request ended (finished, aborted or preempted) after `tokens` tokens; may be
         called twice for one request."""
+
+    def partial(self, request_id: str) -> EngineOutput | None:
+        """What a running request has produced so far (None if it is not running)."""
+        progress = self._progress.get(request_id)
+        if progress is None:
+            return None
+        tokens, logprobs, versions = progress
+        return EngineOutput(list(tokens), list(logprobs), versions=list(versions))
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._live:
@@ -167,14 +181,19 @@ class FakeEngine:
         return await self.update_weights_with(_nothing, partial=partial)
 
     async def update_weights_with(
-        self, load: Callable[[], Awaitable[object]], *, partial: PartialMode = "keep", deadline_s: float | None = None
+        self,
+        load: Callable[[], Awaitable[object]],
+        *,
+        partial: PartialMode = "keep",
+        deadline_s: float | None = None,
+        version: int | None = None,
     ) -> int:
-        """The same critical section as the real engine: pause, load, bump, resume."""
+        """The same critical section as the real engine: pause, load, bump (or label), resume."""
         async with self._lock:
             await self.pause(keep=partial == "keep")
             try:
                 await load()
-                self._version += 1
+                self._version = self._version + 1 if version is None else version
                 self.updates += 1
             finally:
                 await self.resume()

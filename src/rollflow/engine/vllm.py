@@ -219,6 +219,30 @@ class VLLMEngine:
             if adapter_version is not None:
                 self._adapter_users[adapter_version] -= 1
 
+    def partial(self, request_id: str) -> EngineOutput | None:
+        """The tokens, log-probs and versions a running request has produced so far (None if
+        it is not running). A checkpoint saves this so a resumed run continues the sample.
+
+        Requests stream with vLLM's FINAL_ONLY output kind (no per-token round trip to the
+        client), so the progress is read from the client-side output processor's request state,
+        which accumulates exactly what the final output will hold. This reads vLLM internals
+        (0.32); the integration test checks it against the final output.
+        """
+        if request_id not in self._live or self._llm is None:
+            return None
+        processor = self._llm.output_processor
+        internal = processor.external_req_ids.get(request_id) or []
+        state = processor.request_states.get(internal[0]) if internal else None
+        if state is None or state.detokenizer is None or state.logprobs_processor is None:
+            return None
+        tokens = list(state.detokenizer.output_token_ids)
+        entries = state.logprobs_processor.logprobs or []
+        logprobs = [entries[i][token].logprob for i, token in enumerate(tokens)]
+        starts = state.weight_version_starts
+        ends = [start for _, start in starts[1:]] + [len(tokens)]
+        versions = spans_to_versions(((int(v), s, e) for (v, s), e in zip(starts, ends, strict=True)), len(tokens))
+        return EngineOutput(tokens, logprobs, versions=versions)
+
     async def abort(self, request_id: str) -> None:
         if request_id in self._live:
             self._aborted.add(request_id)
@@ -259,13 +283,15 @@ class VLLMEngine:
         *,
         partial: PartialMode = "keep",
         deadline_s: float | None = None,
+        version: int | None = None,
     ) -> int:
         """The weight-update critical section around `load()`; returns the new version.
 
         lock -> pause (keep or abort in-flight requests) -> load -> label the new version ->
         reset the prefix cache -> resume (always) -> bump the version (only on success). The
         whole section has a deadline: a stalled load raises `WeightSyncTimeout` naming the stage,
-        the engine is resumed and keeps its version.
+        the engine is resumed and keeps its version. `version` labels the new weights with a
+        given version instead of the next one (a resumed run restores its checkpoint's).
         """
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
@@ -279,7 +305,7 @@ class VLLMEngine:
                     await self.pause(keep=keep)
                     stage = "load"
                     await load()
-                    new_version = self._version + 1
+                    new_version = self._version + 1 if version is None else version
                     stage = "label"
                     await llm.update_weight_version(str(new_version))
                     if self.reset_prefix_cache_on_update:
@@ -291,14 +317,14 @@ class VLLMEngine:
                 self._version = new_version
             except TimeoutError:
                 raise WeightSyncTimeout(
-                    f"weight update to version {self._version + 1} stalled in stage '{stage}' for more than "
+                    f"weight update after version {self._version} stalled in stage '{stage}' for more than "
                     f"{deadline:g} s (engine.update_deadline_s); the engine keeps version {self._version}"
                 ) from None
             except VLLMDead as err:
                 raise self._dead(err) from err
             except Exception as err:
                 raise WeightSyncError(
-                    f"weight update to version {self._version + 1} failed in stage '{stage}': {err}; "
+                    f"weight update after version {self._version} failed in stage '{stage}': {err}; "
                     f"the engine keeps version {self._version}"
                 ) from err
             finally:
@@ -314,7 +340,12 @@ class VLLMEngine:
         return self._version
 
     async def update_adapter(
-        self, tensors: dict[str, Any], adapter_config: dict[str, Any], *, partial: PartialMode = "keep"
+        self,
+        tensors: dict[str, Any],
+        adapter_config: dict[str, Any],
+        *,
+        partial: PartialMode = "keep",
+        version: int | None = None,
     ) -> int:
         """Adapter-only sync: load a LoRA adapter as the next version; returns it.
 
@@ -322,6 +353,7 @@ class VLLMEngine:
         adapter they started with (their tokens keep its version); in `resume` / `restart` mode
         they are preempted and resubmitted on the new one. Adapters no request uses any more are
         unloaded. The adapter travels through a RAM-backed folder (vLLM loads adapters by path).
+        `version` labels the adapter with that version instead of the next (a resumed run).
         """
         import json
 
@@ -331,7 +363,7 @@ class VLLMEngine:
         if not self.config.max_loras:
             raise WeightSyncError("adapter sync needs a LoRA-enabled engine: set engine.max_loras > 0")
         async with self._update_lock:
-            version = self._version + 1
+            version = self._version + 1 if version is None else version
             if self._adapter_dir is None:
                 import tempfile
 

@@ -97,6 +97,7 @@ async def _simulate(scenario: Scenario, output_dir: Path) -> SimResult:
         f"sampling.max_tokens={scenario.max_tokens}",
         "run.reward=digits",
         "observe.sinks=[]",
+        "checkpoint.enabled=false",  # a simulated trainer has no state to save
     ]
     config = load_config(preset="tiny", overrides=overrides)
     engine = SimEngine(scenario.engine, scenario.lengths, replicas=scenario.inference_gpus)

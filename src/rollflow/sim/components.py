@@ -227,8 +227,8 @@ class SimEngine(FakeEngine):
     def _stop_at(self, request_id: str, prompt_token_ids: list[int]) -> int | None:
         return self.lengths.length(request_id)
 
-    async def update_weights_with(self, load: Any, *, partial: Any = "keep", deadline_s: float | None = None) -> int:
-        version = await super().update_weights_with(load, partial=partial, deadline_s=deadline_s)
+    async def update_weights_with(self, load: Any, **kwargs: Any) -> int:
+        version = await super().update_weights_with(load, **kwargs)
         if self.profile.recompute_on_update:
             for replica in self.replicas:
                 replica.recompute |= replica.running

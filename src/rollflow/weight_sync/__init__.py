@@ -233,11 +233,12 @@ async def publish(
     *,
     partial: PartialMode = "keep",
     deadline_s: float | None = None,
+    version: int | None = None,
 ) -> int:
     """Load the weights staged in `transport` inside the engine's critical section; returns the
-    new engine version."""
+    new engine version (`version`: label them with this one instead of the next)."""
     return await engine.update_weights_with(
-        lambda: transport.load(engine, plan), partial=partial, deadline_s=deadline_s
+        lambda: transport.load(engine, plan), partial=partial, deadline_s=deadline_s, version=version
     )
 
 
