@@ -5,9 +5,10 @@ every token records the policy version that produced it. This module is the publ
 """
 
 from rollflow.config import Config, load_config
-from rollflow.controller import RunResult, train
+from rollflow.controller import Controller, RunResult, train
 from rollflow.engine import Engine, EngineOutput
 from rollflow.errors import (
+    CheckpointError,
     ConfigError,
     DataError,
     EngineDeadError,
@@ -15,8 +16,10 @@ from rollflow.errors import (
     ModelNotFoundError,
     RetryableError,
     RollflowError,
+    TrainingError,
     UserInputError,
 )
+from rollflow.ledger import summarize as audit_ledger
 from rollflow.models import resolve_model
 from rollflow.records import Batch, Group, Message, Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout
@@ -26,8 +29,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "CheckpointError",
     "Config",
     "ConfigError",
+    "Controller",
     "DataError",
     "Engine",
     "EngineDeadError",
@@ -43,8 +48,10 @@ __all__ = [
     "Sample",
     "Sampler",
     "SamplingSpec",
+    "TrainingError",
     "UserInputError",
     "__version__",
+    "audit_ledger",
     "load_config",
     "resolve_model",
     "rollout",

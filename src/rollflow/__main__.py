@@ -190,8 +190,9 @@ async def _train(args: argparse.Namespace) -> int:
         print(f"nothing to do: output_dir={args.output_dir}")
         return 0
     first, last = result.metrics[0], result.metrics[-1]
+    resumed = f"resumed_from_step={result.first_step} " if result.first_step else ""
     print(
-        f"steps={result.steps} wall_s={result.wall_s:.0f} reward_first={first['reward_mean']:.3f} "
+        f"{resumed}steps={result.steps} wall_s={result.wall_s:.0f} reward_first={first['reward_mean']:.3f} "
         f"reward_last={last['reward_mean']:.3f} trained_prompts={result.trained_prompts} "
         f"dropped={sum(result.dropped.values())} output_dir={args.output_dir}"
     )

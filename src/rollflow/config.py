@@ -77,6 +77,13 @@ class EngineConfig(_Section, frozen=True):
     """Deadline of a whole weight update (pause, transfer, load, resume); past it the update
     fails with an error naming the stage and the engine keeps its weights and version."""
 
+    health_check_s: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0
+    """How often the controller asks the engine whether it is alive (a dead engine is also
+    noticed at once by every request streaming from it)."""
+
+    max_restarts: NonNegInt = 3
+    """Times a dead engine is restarted in place during one run (0: a dead engine stops the run)."""
+
 
 class SamplingConfig(_Section, frozen=True):
     temperature: NonNegFloat = 1.0

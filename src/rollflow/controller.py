@@ -20,6 +20,7 @@ others run `follow`. This module does not compute losses or move weights itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -98,13 +99,16 @@ class Controller:
         tokenizer: Any = None,
         clock: Callable[[], float] = time.monotonic,
         resume: bool = False,
+        engine_factory: Callable[[], Any] | None = None,
     ):
         """`engine`, `trainer`, `transport` and `tokenizer` default to the real ones built from the
         config; tests pass fakes that honour the same interfaces, and the simulator passes simulated
         ones with its virtual `clock` (the event loop's time). `resume`: continue the run in
-        `output_dir` from its latest checkpoint."""
+        `output_dir` from its latest checkpoint. `engine_factory` builds a replacement engine when
+        the one in use dies (default: a new vLLM engine like the first; none for a given engine)."""
         self.clock = clock
         self.resume = resume
+        self._engine_factory = engine_factory
         self.config = config
         self._given = {"engine": engine, "trainer": trainer, "transport": transport, "tokenizer": tokenizer}
         self.output_dir = Path(output_dir)
@@ -140,6 +144,12 @@ class Controller:
         self._wall_offset = 0.0
         self._nonfinite_streak = 0
         self._last_checkpoint: Path | None = None
+        self._steps_run = 0
+        """Trainer steps completed (counted on the trainer thread, next to the weights)."""
+        self.engine_restarts = 0
+        self._recovery_lock = asyncio.Lock()
+        self._stage_lock = asyncio.Lock()
+        """Held while weights are read out of the trainer (publishing, or loading a new engine)."""
 
     @property
     def stopping(self) -> bool:
@@ -186,7 +196,12 @@ class Controller:
         if cfg.trainer.lora.enabled and not engine_config.max_loras:
             # Every adapter still used by an in-flight request stays loaded: max_lag + 2 of them.
             engine_config = msgspec.structs.replace(engine_config, max_loras=cfg.run.max_lag + 2)
-        self.engine = given["engine"] or VLLMEngine(model_path, engine_config, dtype=cfg.model.dtype)
+        if given["engine"] is not None:
+            self.engine = given["engine"]
+        else:
+            if self._engine_factory is None:
+                self._engine_factory = lambda: VLLMEngine(model_path, engine_config, dtype=cfg.model.dtype)
+            self.engine = self._engine_factory()
         self.transport = given["transport"] or make_transport(cfg.run.weight_transport)
         metrics: list[dict[str, Any]] = []
         eval_before = eval_after = None
@@ -206,17 +221,20 @@ class Controller:
                 async with asyncio.TaskGroup() as tg:
                     producer = tg.create_task(self._produce(tg), name="producer")
                     probe = tg.create_task(self.loop_lag.run(), name="loop-lag")
+                    health = tg.create_task(self._watch_engine(), name="engine-health")
                     try:
                         await self._train(tg, metrics, began)
                     finally:
                         await self.admission.close()
                         producer.cancel()
                         probe.cancel()
+                        health.cancel()
                         for task in self._inflight.values():
                             task.cancel()
             except ExceptionGroup as group:
-                if len(group.exceptions) == 1:  # one task failed (the usual case): raise its error
-                    raise group.exceptions[0] from None
+                first = group.exceptions[0]
+                if all(type(e) is type(first) and str(e) == str(first) for e in group.exceptions):
+                    raise first from None  # one failure, seen by one or more tasks: raise it plainly
                 raise
             if not self._stop.is_set() and cfg.checkpoint.enabled:
                 self._account_leftovers()  # the final checkpoint holds no work in progress
@@ -298,7 +316,7 @@ class Controller:
         self._trained = state.trained
         self._dropped = dict(state.dropped)
         self._nonfinite_streak = state.nonfinite_streak
-        self._first_step = state.step
+        self._first_step = self._steps_run = state.step
         self._wall_offset = state.wall_s
         self.admission.started = state.started
         await self.admission.advance(state.step)
@@ -430,6 +448,7 @@ class Controller:
             if isinstance(err, EngineError) and not isinstance(err, EngineDeadError):
                 self._drop(prompt.id, f"engine error: {err}")
                 return
+            self._drop(prompt.id, f"run failed: {err}")  # the error ends the run; the prompt is still accounted for
             raise
         self._finished(prompt.id)
         scored = []
@@ -450,15 +469,21 @@ class Controller:
         lane = self.trace.lane()
         version, began = self.engine.version, self.clock()
         try:
-            sample = await rollout(
-                self.engine,
-                prompt,
-                self.spec,
-                group_id=group_id,
-                index=index,
-                partial=self.config.rollout.partial,
-                progress=progress,
-            )
+            while True:
+                engine = self.engine
+                try:
+                    sample = await rollout(
+                        engine,
+                        prompt,
+                        self.spec,
+                        group_id=group_id,
+                        index=index,
+                        partial=self.config.rollout.partial,
+                        progress=progress,
+                    )
+                    break
+                except EngineDeadError as err:
+                    await self._recover(engine, err)  # then continue from the progress kept
         except BaseException:
             self.trace.span("generate (ended early)", lane, began, self.clock(), prompt=prompt.id, sample=index)
             raise
@@ -511,6 +536,7 @@ class Controller:
                 trained = await self.trainer.step_async(batch)
             elif batch.samples:
                 trained = await loop.run_in_executor(self._trainer_thread, self._step, batch)
+            self._steps_run = step + 1
             t_step = self.clock()
             self.trace.span("train step", "trainer", t_batch, t_step, step=step, samples=stats["samples"])
             for i, (start, end, n_samples, n_tokens) in enumerate(getattr(self.trainer, "micro_batches", [])):
@@ -518,7 +544,7 @@ class Controller:
                     "micro-batch", "trainer", start, end, step=step, index=i, samples=n_samples, tokens=n_tokens
                 )
             faults.point("step-trained")
-            staged_bytes = await self._publish(tg)
+            staged_bytes = await self._publish(tg, step + 1)
             t_sync = self.clock()
             self.trace.span("stage weights", "weight sync", t_step, t_sync, step=step, bytes=staged_bytes)
             skipped = bool(trained.get("skipped"))
@@ -556,6 +582,7 @@ class Controller:
                 "engine_busy_s": busy,
                 **self.loop_lag.take(),
                 "wall_s": t_sync - began + self._wall_offset,
+                "engine_restarts": self.engine_restarts,
                 "loss_tokens": trained.get("tokens", 0.0),
                 **{k: v for k, v in trained.items() if k not in ("ratio_mean", "tokens")},
             }
@@ -606,9 +633,11 @@ class Controller:
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         if self.trainer.world_size > 1:
             broadcast(Step(batch=batch))
-        return self.trainer.step(batch)
+        out = self.trainer.step(batch)
+        self._steps_run = batch.step + 1
+        return out
 
-    async def _publish(self, tg: asyncio.TaskGroup) -> int:
+    async def _publish(self, tg: asyncio.TaskGroup, version: int) -> int:
         """Hand the step's weights to the engine; returns the bytes staged.
 
         The training loop waits for the previous engine update (one at a time: the staging area
@@ -621,25 +650,99 @@ class Controller:
             await self._update
         if cfg.trainer.lora.enabled:
             began = self.clock()
-            weights = self.trainer.adapter_weights()
-            await self.engine.update_adapter(weights, self.trainer.adapter_config(), partial=cfg.rollout.partial)
+            async with self._stage_lock:
+                weights = self.trainer.adapter_weights()
+            engine = self.engine
+            if engine.version < version:  # else a restarted engine was given these weights already
+                try:
+                    await engine.update_adapter(
+                        weights, self.trainer.adapter_config(), partial=cfg.rollout.partial, version=version
+                    )
+                except EngineDeadError as err:
+                    await self._recover(engine, err)
             self._updated(began)
             await self.admission.advance(self.engine.version)
             return sum(t.numel() * t.element_size() for t in weights.values())
-        if self.trainer.world_size > 1:
-            await asyncio.to_thread(broadcast, Sync())
-        staged = await self.transport.stage(self.plan, self.trainer.full_weights())
-        self._update = tg.create_task(self._load_into_engine(), name="engine-update")
+        async with self._stage_lock:
+            if self.trainer.world_size > 1:
+                await asyncio.to_thread(broadcast, Sync())
+            staged = await self.transport.stage(self.plan, self.trainer.full_weights())
+        self._update = tg.create_task(self._load_into_engine(version), name="engine-update")
         if not self.transport.snapshots:
             await self._update
         return staged
 
-    async def _load_into_engine(self) -> None:
+    async def _load_into_engine(self, version: int) -> None:
         began = self.clock()
         faults.point("weight-sync")
-        await publish(self.engine, self.transport, self.plan, partial=self.config.rollout.partial)
+        engine = self.engine
+        if engine.version < version:  # else a restarted engine was given these weights already
+            try:
+                await publish(engine, self.transport, self.plan, partial=self.config.rollout.partial, version=version)
+            except EngineDeadError as err:
+                await self._recover(engine, err)
         self._updated(began)
         await self.admission.advance(self.engine.version)
+
+    # ---- engine failure -------------------------------------------------------------------
+
+    async def _watch_engine(self) -> None:
+        """Ask the engine now and then whether it lives (requests notice a death at once; this
+        covers the moments when none is streaming)."""
+        interval = self.config.engine.health_check_s
+        while True:
+            await asyncio.sleep(interval)
+            engine = self.engine
+            check = getattr(engine, "check_health", None)
+            if check is None:
+                return
+            try:
+                await check()
+            except EngineDeadError as err:
+                await self._recover(engine, err)
+
+    async def _recover(self, dead: Any, err: EngineDeadError) -> None:
+        """Replace a dead engine; returns once a new one serves the trainer's current weights.
+
+        Whoever notices the death first (a request, a weight load, the health check) restarts the
+        engine; the others wait on the lock and find it replaced. The new engine gets the weights
+        the trainer holds now, read on the trainer thread between steps and labelled with the
+        number of steps they carry, so every token keeps an exact version. In-flight samples then
+        continue from the tokens they had (rollout keeps them), like a `resume` after an update.
+        """
+        async with self._recovery_lock:
+            if self.engine is not dead:
+                return
+            limit = self.config.engine.max_restarts
+            if self._engine_factory is None or self.engine_restarts >= limit:
+                raise EngineDeadError(f"{err}; not restarted ({self.engine_restarts} of engine.max_restarts = {limit})")
+            self.engine_restarts += 1
+            log.error("%s; restarting the engine (%d of %d)", err, self.engine_restarts, limit)
+            began = self.clock()
+            with contextlib.suppress(Exception):
+                await dead.aclose()
+            engine = self._engine_factory()
+            await engine.start()
+            if not self.config.trainer.lora.enabled:
+                await self.transport.connect(engine)
+            loop = asyncio.get_running_loop()
+            async with self._stage_lock:
+                version, weights = await loop.run_in_executor(self._trainer_thread, self._current_weights)
+            if version > 0 and self.config.trainer.lora.enabled:
+                await engine.update_adapter(weights, self.trainer.adapter_config(), version=version)
+            elif version > 0:
+                await engine.update_weights(weights, version=version)
+            self.engine = engine
+            self.trace.span("engine restart", "engine update", began, self.clock(), version=version)
+            log.error("engine restarted in %.1f s, serving version %d", self.clock() - began, version)
+
+    def _current_weights(self) -> tuple[int, dict[str, Any]]:
+        """(steps the trainer has run, its weights), read on the trainer thread."""
+        if self.config.trainer.lora.enabled:
+            return self._steps_run, self.trainer.adapter_weights()
+        if self.trainer.world_size > 1:
+            broadcast(Sync())
+        return self._steps_run, {name: tensor.clone() for name, tensor in self.trainer.full_weights()}
 
     def _updated(self, began: float) -> None:
         now = self.clock()

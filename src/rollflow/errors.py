@@ -41,7 +41,12 @@ class EngineError(RollflowError):
 
 
 class EngineDeadError(EngineError):
-    """The inference engine's process died; the message names what died."""
+    """The inference engine's process died; the message names what died. Raised from a
+    request's stream, it carries what that request had produced (`partial`, an EngineOutput)."""
+
+    def __init__(self, message: str, *, partial: object = None) -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 class WeightSyncError(RollflowError):

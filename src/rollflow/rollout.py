@@ -24,7 +24,7 @@ import time
 import msgspec
 
 from rollflow.engine import Engine, EngineOutput, PartialMode
-from rollflow.errors import EngineError
+from rollflow.errors import EngineDeadError, EngineError
 from rollflow.records import Prompt, Sample, SamplingSpec, Timing
 
 MAX_INTERRUPTIONS = 64
@@ -120,6 +120,14 @@ async def rollout(
         progress.request_id = request_id
         try:
             out = await _stream_once(engine, request_id, prompt.token_ids + tokens, budget)
+        except EngineDeadError as err:
+            # Keep what the request had produced: the caller continues from it on a new engine.
+            lost = err.partial if isinstance(err.partial, EngineOutput) else None
+            if lost is not None and keep_prefix:
+                tokens += lost.token_ids
+                logprobs += lost.logprobs
+                versions += lost.versions or []
+            raise
         finally:
             progress.request_id = None
         if first_token is None and out.token_ids:

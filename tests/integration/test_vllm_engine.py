@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from rollflow.records import Prompt, SamplingSpec
-from rollflow.rollout import rollout
+from rollflow.rollout import Progress, rollout
 
 pytestmark = pytest.mark.integration
 
@@ -117,3 +117,32 @@ async def test_restart_mode_starts_over_under_new_weights(engine_on_a, model_b):
     assert sample.interruptions == 1
     assert sample.versions == [v + 1] * 64
     assert sample.completion_token_ids == model_b.greedy(PROMPT, 64)[0]
+
+
+async def test_progress_of_a_running_request_is_a_prefix_of_its_final_output(engine_on_a, model_b):
+    """What a checkpoint saves of a sample in flight (read while the request streams, across a
+    weight update) is exactly the start of what the request finally returns."""
+    engine = engine_on_a
+    progress = Progress()
+    spec = SamplingSpec(temperature=1.0, max_tokens=96, ignore_eos=True, seed=7)
+    task = asyncio.create_task(rollout(engine, _prompt(), spec, group_id="snap", index=0, progress=progress))
+    snapshots: list = []
+    updated = False
+    while not task.done():
+        snap = progress.snapshot(engine)
+        if snap.done is None and len(snap.tokens) > (len(snapshots[-1].tokens) if snapshots else 0):
+            snapshots.append(snap)
+        if len(snapshots) == 3 and not updated:
+            await engine.update_weights(model_b.state_dict())  # later snapshots span two versions
+            updated = True
+        await asyncio.sleep(0.005)
+    sample = await task
+    assert progress.snapshot(engine).done == sample
+    assert len(snapshots) >= 4 and 0 < len(snapshots[0].tokens) < len(snapshots[-1].tokens) < 96
+    assert len(set(snapshots[-1].versions)) == 2
+    for snap in snapshots:
+        k = len(snap.tokens)
+        assert snap.tokens == sample.completion_token_ids[:k]
+        assert snap.versions == sample.versions[:k]
+        assert snap.logprobs == sample.logprobs[:k]
+    assert engine.partial("snap/0") is None  # finished: nothing running under that id

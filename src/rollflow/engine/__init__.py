@@ -66,8 +66,11 @@ class Engine(Protocol):
         """End a request; its stream finishes with `finish_reason="abort"`."""
         ...
 
-    async def update_weights(self, weights: Weights, *, partial: PartialMode = "keep") -> int:
-        """Pause, load `weights`, bump the version, resume; return the new version.
+    async def update_weights(
+        self, weights: Weights, *, partial: PartialMode = "keep", version: int | None = None
+    ) -> int:
+        """Pause, load `weights`, bump the version (or label them `version`), resume; return the
+        new version.
 
         `keep`: in-flight requests continue under the new weights. `resume`/`restart`:
         in-flight requests end with `finish_reason="preempted"` for the rollout to resubmit.

@@ -177,8 +177,10 @@ class FakeEngine:
     async def start(self) -> FakeEngine:
         return self
 
-    async def update_weights(self, weights: Weights, *, partial: PartialMode = "keep") -> int:
-        return await self.update_weights_with(_nothing, partial=partial)
+    async def update_weights(
+        self, weights: Weights, *, partial: PartialMode = "keep", version: int | None = None
+    ) -> int:
+        return await self.update_weights_with(_nothing, partial=partial, version=version)
 
     async def update_weights_with(
         self,

@@ -85,6 +85,7 @@ class VLLMEngine:
         self.config = config
         self.dtype = dtype
         self._llm: Any = None
+        self._died: EngineDeadError | None = None
         self._version = 0
         self._update_lock = asyncio.Lock()
         self._aborted: set[str] = set()
@@ -153,6 +154,9 @@ class VLLMEngine:
         except Exception as err:
             raise EngineError(f"vLLM engine for {self.model_path} failed to start: {err}") from err
         await self._llm.update_weight_version(str(self._version))
+        # The engine process ends by itself if this process is killed without closing it.
+        parents = await self._llm.collective_rpc("rollflow_watch_parent")
+        log.info("engine processes watch their parents %s (this process is %d)", parents, os.getpid())
         log.info("vLLM engine ready in %.1f s", time.monotonic() - began)
         return self
 
@@ -166,11 +170,15 @@ class VLLMEngine:
     def llm(self) -> Any:
         """The underlying AsyncLLM (for benchmarks and tests that compare against it)."""
         if self._llm is None:
+            if self._died is not None:  # closed after it died: still dead, for late callers
+                raise self._died
             raise EngineError("engine not started: call `await engine.start()` first")
         return self._llm
 
-    def _dead(self, err: BaseException) -> EngineDeadError:
-        return EngineDeadError(f"vLLM engine core for {self.model_path} died: {err}")
+    def _dead(self, err: BaseException, partial: EngineOutput | None = None) -> EngineDeadError:
+        message = f"vLLM engine core for {self.model_path} died: {err or 'process gone'}"
+        self._died = EngineDeadError(message)
+        return EngineDeadError(message, partial=partial)
 
     async def stream(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *, deltas: bool = True
@@ -212,7 +220,8 @@ class VLLMEngine:
                     reason = "preempted"  # only a weight update aborts what the caller did not
                 yield EngineOutput(tokens, logprobs, reason, versions)
         except VLLMDead as err:
-            raise self._dead(err) from err
+            # The client keeps the request's state: hand over what it had produced.
+            raise self._dead(err, self.partial(request_id)) from err
         finally:
             self._live.discard(request_id)
             self._aborted.discard(request_id)
@@ -236,6 +245,8 @@ class VLLMEngine:
         if state is None or state.detokenizer is None or state.logprobs_processor is None:
             return None
         tokens = list(state.detokenizer.output_token_ids)
+        if not tokens:
+            return EngineOutput([], [], versions=[])
         entries = state.logprobs_processor.logprobs or []
         logprobs = [entries[i][token].logprob for i, token in enumerate(tokens)]
         starts = state.weight_version_starts
@@ -271,8 +282,19 @@ class VLLMEngine:
         """Call a `WorkerExtension` method on every worker; returns their results."""
         return await self.llm.collective_rpc(method, args=args)
 
-    async def update_weights(self, weights: Weights, *, partial: PartialMode = "keep") -> int:
-        return await self.update_weights_with(lambda: self.load_weights(weights), partial=partial)
+    async def update_weights(
+        self, weights: Weights, *, partial: PartialMode = "keep", version: int | None = None
+    ) -> int:
+        return await self.update_weights_with(lambda: self.load_weights(weights), partial=partial, version=version)
+
+    async def check_health(self) -> None:
+        """Raise `EngineDeadError` if the engine process is gone."""
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
+
+        try:
+            await self.llm.check_health()
+        except VLLMDead as err:
+            raise self._dead(err) from err
 
     async def update_weights_from_path(self, path: str | Path, *, partial: PartialMode = "keep") -> int:
         return await self.update_weights_with(lambda: self.load_weights_from_path(path), partial=partial)
@@ -302,18 +324,18 @@ class VLLMEngine:
             stage = "pause"
             try:
                 async with asyncio.timeout(deadline):
-                    await self.pause(keep=keep)
+                    await self._unless_dead(self.pause(keep=keep))
                     stage = "load"
-                    await load()
+                    await self._unless_dead(load())
                     new_version = self._version + 1 if version is None else version
                     stage = "label"
-                    await llm.update_weight_version(str(new_version))
+                    await self._unless_dead(llm.update_weight_version(str(new_version)))
                     if self.reset_prefix_cache_on_update:
                         stage = "reset prefix cache"
                         # Mandatory: else prompts longer than a block reuse KV from old weights.
                         # In keep mode, running requests' KV is also recomputed under the new ones.
                         recompute = keep and not self.config.keep_kv_on_update
-                        await llm.reset_prefix_cache(reset_running_requests=recompute)
+                        await self._unless_dead(llm.reset_prefix_cache(reset_running_requests=recompute))
                 self._version = new_version
             except TimeoutError:
                 raise WeightSyncTimeout(
@@ -338,6 +360,24 @@ class VLLMEngine:
                             "after a weight update"
                         ) from None
         return self._version
+
+    async def _unless_dead(self, call: Awaitable[Any], poll_s: float = 0.5) -> Any:
+        """Await `call`, but raise vLLM's dead-engine error as soon as the engine is known dead
+        (a call to a dead engine process can wait forever for its answer)."""
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
+
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
+                if done:
+                    return task.result()
+                if self.llm.errored:
+                    raise VLLMDead()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def update_adapter(
         self,
@@ -420,7 +460,7 @@ class VLLMEngine:
         if self._llm is None:
             return
         llm, self._llm = self._llm, None
-        if self._live:
+        if self._live and not llm.errored:
             await llm.abort(list(self._live))
         # Stop the output handler before the engine core goes away; otherwise it reports the
         # orderly shutdown as a dead engine.

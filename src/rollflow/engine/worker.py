@@ -28,6 +28,30 @@ class WorkerExtension:
     def _rollflow_reload(self, weights) -> None:
         self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
 
+    def rollflow_watch_parent(self, interval_s: float = 1.0) -> int:
+        """End this process soon after its parent process is gone; returns the parent's pid.
+
+        A client killed outright (SIGKILL, out of memory) never shuts its engine down, and vLLM's
+        engine process would live on, holding its memory. A daemon thread checks every
+        `interval_s` whether this process has been handed to a new parent (which happens the
+        moment the old one exits, even before it is reaped) and then kills this process. Worker
+        processes of a multi-process engine watch the engine process the same way.
+        """
+        import os
+        import signal
+        import threading
+        import time
+
+        parent = os.getppid()
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(interval_s)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="rollflow-watch-parent", daemon=True).start()
+        return parent
+
     def rollflow_load_safetensors(self, data: bytes) -> int:
         """Load named tensors serialised with safetensors; returns how many were loaded."""
         from safetensors.torch import load

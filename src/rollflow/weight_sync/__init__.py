@@ -76,6 +76,9 @@ class GlooTransport:
         self._staged = torch.empty(0, dtype=torch.uint8)
 
     async def connect(self, engine: VLLMEngine) -> None:
+        if self._sender is not None:  # a new engine (a restart): the old group is gone with the old one
+            self._sender.close()
+            self._sender = None
         sender = GlooSender(self.host, 0, self.timeout_s)
         await asyncio.gather(
             asyncio.to_thread(sender.connect),

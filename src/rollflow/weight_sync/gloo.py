@@ -12,6 +12,7 @@ bump versions; the critical section in the engine adapter does.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -53,10 +54,22 @@ class GlooSender:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0) -> None:
         self.host = host
         self.timeout_s = timeout_s
+        # TCPStore's own server listens on every interface; hand it a socket bound to `host`.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self._socket.listen(16)
+        self.port = self._socket.getsockname()[1]
         self._store = dist.TCPStore(
-            host, port, 2, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+            host,
+            self.port,
+            2,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=self._socket.fileno(),
         )
-        self.port = self._store.port
         self._group: dist.ProcessGroup | None = None
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
@@ -106,6 +119,7 @@ class GlooSender:
 
     def close(self) -> None:
         self._group = None
+        self._socket.close()
 
 
 def receive_buckets(

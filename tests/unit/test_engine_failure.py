@@ -1,0 +1,105 @@
+"""A dead engine is replaced in place: in-flight samples continue from what they had, with exact
+versions, and every prompt is trained once (fake engine and trainer)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_checkpoint import MAX_TOKENS, assert_tokens_are_what_their_versions_produce, record_groups
+from test_controller import FakeTokenizer
+
+from rollflow.config import load_config
+from rollflow.controller import Controller
+from rollflow.engine.fake import FakeEngine
+from rollflow.errors import EngineDeadError
+from rollflow.ledger import summarize
+from rollflow.trainer import FakeTrainer
+from rollflow.weight_sync import NullTransport
+
+
+class MortalEngine(FakeEngine):
+    """A fake engine whose process dies after producing `die_after` tokens, mid-stream: every
+    running request then fails, carrying what it had produced, and every later call fails too."""
+
+    def __init__(self, die_after: int | None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.die_after = die_after
+        self.died_at_version: int | None = None
+        self.died_with: dict[str, int] = {}
+        """Request id -> tokens it had when the engine died."""
+
+    @property
+    def dead(self) -> bool:
+        return self.died_at_version is not None
+
+    async def _step_wait(self, request_id: str, context_tokens: int) -> None:
+        await super()._step_wait(request_id, context_tokens)
+        if not self.dead and self.die_after is not None and self.tokens_generated >= self.die_after:
+            self.died_at_version = self.version
+        if self.dead:
+            partial = self.partial(request_id)
+            self.died_with[request_id] = len(partial.token_ids) if partial else 0
+            raise EngineDeadError("fake engine process died", partial=partial)
+
+    async def update_weights_with(self, load, **kwargs) -> int:
+        if self.dead:
+            raise EngineDeadError("fake engine process died")
+        return await super().update_weights_with(load, **kwargs)
+
+
+def make(tmp_path, engines: list[MortalEngine], die_after: list[int | None], **settings):
+    overrides = ["run.reward=digits", f"sampling.max_tokens={MAX_TOKENS}", "observe.sinks=[]", "run.max_steps=6"]
+    overrides += [f"{key.replace('__', '.')}={value}" for key, value in settings.items()]
+
+    def new_engine() -> MortalEngine:
+        engines.append(MortalEngine(die_after[len(engines)], token_delay=0.002))
+        return engines[-1]
+
+    return Controller(
+        load_config(preset="tiny", overrides=overrides),
+        tmp_path,
+        engine=new_engine(),
+        engine_factory=new_engine,
+        trainer=FakeTrainer(step_s=0.05),
+        transport=NullTransport(),
+        tokenizer=FakeTokenizer(),
+    )
+
+
+async def test_a_dead_engine_is_restarted_and_samples_continue_where_they_were(tmp_path, monkeypatch):
+    engines: list[MortalEngine] = []
+    groups = record_groups(monkeypatch)
+    # 16 samples of 24 tokens per step: the first engine dies in the middle of the third step's work.
+    controller = make(tmp_path, engines, die_after=[2 * 16 * MAX_TOKENS + 100, None])
+    result = await asyncio.wait_for(controller.run(), 60)
+    assert result.steps == 6 and controller.engine_restarts == 1 and len(engines) == 2
+    assert result.metrics[-1]["engine_restarts"] == 1
+    assert engines[1].version == 6  # the replacement got the trainer's weights, then every later version
+    dead_at = engines[0].died_at_version
+    cut = {rid.split("#")[0]: n for rid, n in engines[0].died_with.items() if n > 0}
+    assert cut, "some requests should have died mid-generation"
+    continued = 0
+    for group in groups:
+        for sample in group.samples:
+            # Every token, before and after the death, is what its labelled version computes.
+            assert_tokens_are_what_their_versions_produce(
+                sample.prompt_token_ids, sample.completion_token_ids, sample.versions
+            )
+            n = cut.get(f"{sample.group_id}/{sample.index}")
+            if n and len(sample.versions) > n:
+                continued += 1
+                assert max(sample.versions[:n]) <= dead_at <= min(sample.versions[n:])
+    assert continued > 0
+    summary = summarize(tmp_path)
+    assert summary.ok and summary.trained + sum(summary.dropped.values()) == controller._group_seq
+
+
+async def test_an_engine_that_keeps_dying_stops_the_run_with_a_clear_error(tmp_path):
+    engines: list[MortalEngine] = []
+    controller = make(tmp_path, engines, die_after=[500, 500], engine__max_restarts=1)
+    with pytest.raises(EngineDeadError, match=r"not restarted \(1 of engine.max_restarts = 1\)"):
+        await asyncio.wait_for(controller.run(), 60)
+    assert len(engines) == 2
+    summary = summarize(tmp_path)  # everything started is still accounted for, once
+    assert summary.duplicates == [] and summary.trained + sum(summary.dropped.values()) == controller._group_seq
