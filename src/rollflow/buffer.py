@@ -53,6 +53,13 @@ class Admission:
             self.started += n
             return True
 
+    async def release(self, n: int) -> None:
+        """`n` started samples will never be consumed (their group was dropped): they stop
+        counting, so dropped work does not use up the room of work that can be trained."""
+        async with self._changed:
+            self.started -= n
+            self._changed.notify_all()
+
     async def advance(self, version: int) -> None:
         """The engine now holds `version`: more samples may start."""
         async with self._changed:

@@ -276,6 +276,47 @@ class ObserveConfig(_Section, frozen=True):
     """How often the event-loop lag is sampled (a timer that should fire on time)."""
 
 
+class RewardConfig(_Section, frozen=True):
+    name: str
+    """The reward's name in metrics and unscorable reasons; alone, a built-in reward: `verifier`
+    (the task's answer checker) or `digits` (fraction of digit characters)."""
+
+    function: str = ""
+    """A Python reward function `module:attribute` with the TRL signature
+    `(prompts, completions, **kwargs) -> list[float | None]`, sync or async."""
+
+    url: str = ""
+    """A remote reward server (HTTP POST of JSON, see the README's Scoring section)."""
+
+    weight: float = 1.0
+    """Weight of this reward in the sample's total reward (the weighted sum)."""
+
+    timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
+    """Per call (a group's completions); past it every sample of the call is unscorable."""
+
+    max_retries: NonNegInt = 3
+    """Remote only: retries after a timeout, a connection error, a 5xx or a 429 (never after a
+    4xx or a malformed answer)."""
+
+    backoff_s: NonNegFloat = 0.5
+    """Remote only: the first retry's delay; it doubles with each retry."""
+
+    token_env: str = ""
+    """Remote only: the environment variable holding a bearer token (the token itself is never
+    written to the config, the logs or checkpoints)."""
+
+    max_connections: PosInt = 16
+    """Remote only: concurrent requests to the server."""
+
+
+class ScoringConfig(_Section, frozen=True):
+    rewards: list[RewardConfig] = msgspec.field(default_factory=list)
+    """The reward functions, summed with their weights; empty: `run.reward` alone."""
+
+    max_concurrency: PosInt = 16
+    """Groups scored at once (scoring runs beside generation; sync functions use this many threads)."""
+
+
 class CheckpointConfig(_Section, frozen=True):
     enabled: bool = True
     """Write checkpoints under `checkpoints/` in the output directory: at the end of the run, on
@@ -322,6 +363,9 @@ class Config(_Section, frozen=True):
 
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpoints and resume."""
+
+    scoring: ScoringConfig = ScoringConfig()
+    """Reward functions and remote reward servers."""
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -463,4 +507,6 @@ def _toml_value(value: Any) -> str:
         return msgspec.json.encode(value).decode()
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # a table inside an array: an inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")

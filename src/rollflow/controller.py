@@ -56,7 +56,7 @@ from rollflow.models import chat_encoder, load_tokenizer, resolve_model
 from rollflow.records import Group, Prompt, Sample, TrainBatch
 from rollflow.rollout import PartialSample, Progress, rollout
 from rollflow.sampler import Sampler
-from rollflow.scoring import make_scorer
+from rollflow.scoring import RewardFunc, Scorer, make_rewards, make_scorer
 from rollflow.trace import Trace
 from rollflow.trainer import Trainer
 from rollflow.weight_sync import make_transport, plan_for, publish
@@ -100,12 +100,15 @@ class Controller:
         clock: Callable[[], float] = time.monotonic,
         resume: bool = False,
         engine_factory: Callable[[], Any] | None = None,
+        reward_funcs: dict[str, RewardFunc] | None = None,
     ):
         """`engine`, `trainer`, `transport` and `tokenizer` default to the real ones built from the
         config; tests pass fakes that honour the same interfaces, and the simulator passes simulated
         ones with its virtual `clock` (the event loop's time). `resume`: continue the run in
         `output_dir` from its latest checkpoint. `engine_factory` builds a replacement engine when
-        the one in use dies (default: a new vLLM engine like the first; none for a given engine)."""
+        the one in use dies (default: a new vLLM engine like the first; none for a given engine).
+        `reward_funcs`: reward functions by name (TRL signature), added to those configured in
+        `[[scoring.rewards]]` (an entry with the same name sets its weight and timeout)."""
         self.clock = clock
         self.resume = resume
         self._engine_factory = engine_factory
@@ -118,8 +121,16 @@ class Controller:
         self.admission = Admission(self.samples_per_step, run.max_lag)
         self.buffer = GroupBuffer()
         self.score = make_scorer(run.reward)
+        """The built-in reward, for held-out evaluation."""
+        self.scorer = Scorer(
+            make_rewards(config.scoring, run.reward, reward_funcs), max_concurrency=config.scoring.max_concurrency
+        )
+        """Every training reward, run on whole groups beside generation."""
         self.spec = sampling_spec(config)
         self._inflight: dict[str, asyncio.Task[None]] = {}
+        """Groups generating, by prompt id."""
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        """Every group's task until it is in the buffer or dropped (generating or being scored)."""
         self._dropped: dict[str, int] = {}
         self._generated_tokens = 0
         self._group_seq = 0
@@ -229,7 +240,7 @@ class Controller:
                         producer.cancel()
                         probe.cancel()
                         health.cancel()
-                        for task in self._inflight.values():
+                        for task in self._tasks.values():
                             task.cancel()
             except ExceptionGroup as group:
                 first = group.exceptions[0]
@@ -246,6 +257,7 @@ class Controller:
             if self.trainer.world_size > 1:
                 await asyncio.to_thread(broadcast, Stop())
             self._trainer_thread.shutdown(wait=False)
+            await self.scorer.aclose()
             await self.transport.aclose()
             await self.engine.aclose()
             for sink in self.sinks:
@@ -369,7 +381,7 @@ class Controller:
         if keep_pending:
             self._pending_saved = True
             await self.admission.close()
-            for task in self._inflight.values():
+            for task in self._tasks.values():
                 task.cancel()
         began_write = self.clock()
 
@@ -418,13 +430,15 @@ class Controller:
             self._busy_since = self.clock()
         progress = [Progress(s) for s in start]
         self._progress[prompt.id] = (prompt, group_id, progress)
-        self._inflight[prompt.id] = tg.create_task(self._group(prompt, group_id, progress), name=f"group-{prompt.id}")
+        task = tg.create_task(self._group(prompt, group_id, progress), name=f"group-{prompt.id}")
+        self._inflight[prompt.id] = self._tasks[prompt.id] = task
 
     async def _group(self, prompt: Prompt, group_id: str, progress: list[Progress]) -> None:
         try:
             await self._generate_and_score(prompt, group_id, progress)
         finally:
             self._progress.pop(prompt.id, None)
+            self._tasks.pop(prompt.id, None)
 
     async def _generate_and_score(self, prompt: Prompt, group_id: str, progress: list[Progress]) -> None:
         cfg = self.config
@@ -447,20 +461,28 @@ class Controller:
                 raise
             if isinstance(err, EngineError) and not isinstance(err, EngineDeadError):
                 self._drop(prompt.id, f"engine error: {err}")
+                await self.admission.release(len(tasks))
                 return
             self._drop(prompt.id, f"run failed: {err}")  # the error ends the run; the prompt is still accounted for
             raise
         self._finished(prompt.id)
-        scored = []
         began = self.clock()
-        for sample in samples:
-            self._generated_tokens += sample.num_tokens
-            text = self.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
-            reward, reason = self.score(prompt, text)
-            scored.append(msgspec.structs.replace(sample, reward=reward, unscorable=reason))
+        self._generated_tokens += sum(sample.num_tokens for sample in samples)
+        texts = [self.tokenizer.decode(s.completion_token_ids, skip_special_tokens=True) for s in samples]
+        try:
+            results = await self.scorer.score(prompt, texts, [s.completion_token_ids for s in samples])
+        except asyncio.CancelledError:
+            if not self._pending_saved:
+                self._drop(prompt.id, "run ended: being scored")
+            raise
+        scored = [
+            msgspec.structs.replace(sample, reward=r.reward, unscorable=r.reason, reward_parts=r.parts)
+            for sample, r in zip(samples, results, strict=True)
+        ]
         self.trace.span("reward", "reward", began, self.clock(), prompt=prompt.id, rewards=[s.reward for s in scored])
         if all(s.reward is None for s in scored):
             self._drop(prompt.id, f"unscorable: {scored[0].unscorable}")
+            await self.admission.release(len(scored))
             return
         adv = group_advantages([s.reward for s in scored], estimator=cfg.loss.advantage, scale_std=cfg.loss.scale_std)
         await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages))
@@ -809,7 +831,9 @@ async def train(
     *,
     on_step: Callable[[dict], None] | None = None,
     resume: bool = False,
+    reward_funcs: dict[str, RewardFunc] | None = None,
 ) -> RunResult:
     """Run training in the current event loop; writes config.toml, metrics.jsonl, ledger.jsonl
-    and checkpoints. `resume`: continue the run in `output_dir` from its latest checkpoint."""
-    return await Controller(config, output_dir, on_step=on_step, resume=resume).run()
+    and checkpoints. `resume`: continue the run in `output_dir` from its latest checkpoint.
+    `reward_funcs`: reward functions by name (TRL signature), besides the configured ones."""
+    return await Controller(config, output_dir, on_step=on_step, resume=resume, reward_funcs=reward_funcs).run()

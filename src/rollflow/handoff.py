@@ -75,11 +75,13 @@ def build_batch(
 ) -> tuple[TrainBatch, dict[str, Any]]:
     """The batch of optimizer step `step` from its groups, and the batch's metrics.
 
-    Unscorable samples stay out (counted by reason); tokens whose lag exceeds `max_lag` are
+    Unscorable samples stay out (counted by reason); rewards are summarised in total and per
+    reward function (`reward_name` names a sample scored without parts); tokens whose lag exceeds `max_lag` are
     withheld from the loss (`buffer.withhold_stale`) while their sample keeps its advantage.
     """
     samples, all_lags, sample_lags, withheld, loss_lag_max = [], [], [], 0, 0
     rewards: list[float] = []
+    parts: dict[str, list[float]] = {}
     unscorable: dict[str, int] = {}
     for group in groups:
         for sample, advantage in zip(group.samples, group.advantages, strict=True):
@@ -88,6 +90,8 @@ def build_batch(
                 unscorable[reason] = unscorable.get(reason, 0) + 1
                 continue
             rewards.append(sample.reward)
+            for name, value in (sample.reward_parts or {reward_name: sample.reward}).items():
+                parts.setdefault(name, []).append(value)
             mask, n = withhold_stale(sample.versions, sample.loss_mask, step, max_lag)
             withheld += n
             token_lags = lags(sample.versions, step)
@@ -97,12 +101,11 @@ def build_batch(
             all_lags += token_lags
             sample_lags.append(max(token_lags, default=0))
             samples.append(train_sample(sample, advantage, mask))
-    mean = sum(rewards) / len(rewards) if rewards else 0.0
-    std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5 if rewards else 0.0
+    mean, std = _mean_std(rewards)
     stats = {
         "reward_mean": mean,
         "reward_std": std,
-        "rewards": {reward_name: {"mean": mean, "std": std}},
+        "rewards": {name: dict(zip(("mean", "std"), _mean_std(values), strict=True)) for name, values in parts.items()},
         "samples": len(samples),
         "tokens": sum(s.num_completion for s in samples),
         "lag_mean": sum(all_lags) / len(all_lags) if all_lags else 0.0,
@@ -117,6 +120,13 @@ def build_batch(
         "unscorable_by_reason": unscorable,
     }
     return TrainBatch(step=step, samples=samples, max_tokens=max_tokens), stats
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 0.0
+    mean = sum(values) / len(values)
+    return mean, (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
 
 
 def broadcast(message: Message | None, *, src: int = 0, group: dist.ProcessGroup | None = None) -> Message:

@@ -76,6 +76,8 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Total reward; None until scored, or when unscorable."""
     unscorable: str | None = None
     """Why the sample could not be scored (it is then excluded from the group baseline)."""
+    reward_parts: dict[str, float] = {}
+    """Each reward function's value (the total is their weighted sum)."""
     timing: Timing | None = None
 
     @property

@@ -65,26 +65,26 @@ async def test_asynchronous_run_with_a_slow_trainer_keeps_the_trainer_busy(tmp_p
 
 @pytest.mark.timeout(60)
 async def test_metrics_count_unscorable_samples_by_reason(tmp_path):
+    seen = {"n": 0}
+
+    def half(prompts, completions, **kwargs):  # every third sample has no reward
+        out = []
+        for _ in completions:
+            seen["n"] += 1
+            out.append(None if seen["n"] % 3 == 0 else 0.5)
+        return out
+
     controller = Controller(
         config(max_steps=3), tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
-        tokenizer=FakeTokenizer(),
+        tokenizer=FakeTokenizer(), reward_funcs={"half": half},
     )
-    scored = {"n": 0, "unscorable": 0}
-
-    def score(prompt, text):  # every third sample has no reward
-        scored["n"] += 1
-        if scored["n"] % 3 == 0:
-            scored["unscorable"] += 1
-            return None, "reward error: ValueError: no number"
-        return 0.5, None
-
-    controller.score = score
     result = await asyncio.wait_for(controller.run(), 60)
     counted = sum(m["unscorable"] for m in result.metrics)
     assert counted > 0
-    assert all(m["unscorable_by_reason"] == ({"reward error: ValueError: no number": m["unscorable"]}
+    assert all(m["unscorable_by_reason"] == ({"reward half: returned None": m["unscorable"]}
                                              if m["unscorable"] else {}) for m in result.metrics)
     assert all(m["samples"] + m["unscorable"] == 16 for m in result.metrics)
+    assert all(m["rewards"] == {"half": {"mean": 0.5, "std": 0.0}} for m in result.metrics)
 
 
 def test_flatten_and_histogram():

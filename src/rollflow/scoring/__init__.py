@@ -1,22 +1,40 @@
-"""Scoring: from a finished sample's text to a reward, or an explicit reason it has none.
+"""Scoring: from a group's completions to rewards, or explicit reasons there are none.
+
+A reward is a function with the TRL signature, `(prompts, completions, **kwargs) ->
+list[float | None]`, sync or async, called once per group: `prompts` holds the prompt's last
+user message once per completion, `completions` the decoded completions, and the keyword
+arguments carry the dataset's columns the same way (`answer`, `task`, `metadata`, each metadata
+key as its own column) plus `completion_ids` (token ids). Several rewards are summed with their
+weights. Sync functions run on a thread pool (never on the event loop); every call has a
+timeout. A value that is None, NaN or infinite, not a number, or missing (a list of the wrong
+length), and a function that raises or times out, make the sample *unscorable* with a reason
+naming the reward: it is left out of its group's baseline and counted, never scored 0.
 
 Built-in rewards: `verifier` (the prompt's task checker: 1.0 correct, 0.0 wrong) and `digits`
 (the fraction of the completion's characters that are digits — a trivially learnable signal for
-smoke tests of the training loop). A reward that cannot be computed is *unscorable* with a
-reason, never a silent 0. Remote reward servers and reward functions with the TRL signature are
-not here yet.
+smoke tests). Remote reward servers: `rollflow.scoring.remote.RemoteReward`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib
+import inspect
 import math
 from collections.abc import Callable
-from typing import Literal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
 
+import msgspec
+
+from rollflow.config import RewardConfig, ScoringConfig
+from rollflow.errors import ConfigError
 from rollflow.records import Prompt
 from rollflow.tasks import verify
 
 RewardName = Literal["verifier", "digits"]
+RewardFunc = Callable[..., Any]
+"""`(prompts, completions, **kwargs) -> list[float | None]`, or a coroutine function returning it."""
 
 
 def digits_reward(text: str) -> float:
@@ -24,8 +42,195 @@ def digits_reward(text: str) -> float:
     return sum(c.isdigit() for c in text) / len(text) if text else 0.0
 
 
+def digits(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
+    """Built-in `digits` reward."""
+    return [digits_reward(text) for text in completions]
+
+
+def verifier(
+    prompts: list[str],
+    completions: list[str],
+    *,
+    answer: list[Any],
+    task: list[str],
+    metadata: list[dict],
+    **kwargs: Any,
+) -> list[float | None]:
+    """Built-in `verifier` reward: the task's own checker."""
+    return [float(verify(t, c, a, m)) for c, a, t, m in zip(completions, answer, task, metadata, strict=True)]
+
+
+BUILTIN: dict[str, RewardFunc] = {"verifier": verifier, "digits": digits}
+
+
+class Scored(msgspec.Struct, frozen=True):
+    """One completion's total reward, or the reason it has none, and each reward's value."""
+
+    reward: float | None
+    reason: str | None = None
+    parts: dict[str, float] = {}
+
+
+class Reward:
+    """One reward function with its name, weight and timeout."""
+
+    def __init__(
+        self, name: str, func: RewardFunc, *, weight: float = 1.0, timeout_s: float = 30.0, inline: bool = False
+    ) -> None:
+        self.name = name
+        self.func = func
+        self.weight = weight
+        self.timeout_s = timeout_s
+        self.inline = inline
+        """Run a sync function on the event loop itself (the built-ins: microseconds of work)."""
+        self.is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
+            getattr(func, "__call__", None)  # noqa: B004 - an object whose __call__ is async
+        )
+
+
+def load_function(spec: str, field: str) -> RewardFunc:
+    """`module:attribute` -> the callable; errors name the config field."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"{field}: expected 'module:function', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"{field}: cannot import module {module_name!r} ({err})") from None
+    func = getattr(module, attribute, None)
+    if not callable(func):
+        raise ConfigError(f"{field}: {module_name!r} has no function {attribute!r}")
+    return func
+
+
+def make_reward(config: RewardConfig, index: int, given: dict[str, RewardFunc] | None = None) -> Reward:
+    """The reward a `[[scoring.rewards]]` entry describes."""
+    field = f"scoring.rewards[{index}]"
+    sources = [bool(config.function), bool(config.url)]
+    if sum(sources) > 1:
+        raise ConfigError(f"{field}: give `function` or `url`, not both")
+    if config.url:
+        from rollflow.scoring.remote import RemoteReward
+
+        func: RewardFunc = RemoteReward(
+            config.url,
+            timeout_s=config.timeout_s,
+            max_retries=config.max_retries,
+            backoff_s=config.backoff_s,
+            token_env=config.token_env,
+            max_connections=config.max_connections,
+        )
+        # The client times each attempt; the call as a whole may take every retry and backoff.
+        total = (config.timeout_s + config.backoff_s * 2**config.max_retries) * (config.max_retries + 1)
+        return Reward(config.name, func, weight=config.weight, timeout_s=total)
+    if config.function:
+        func = load_function(config.function, f"{field}.function")
+    elif given and config.name in given:
+        func = given[config.name]
+    elif config.name in BUILTIN:
+        return Reward(config.name, BUILTIN[config.name], weight=config.weight, inline=True)
+    else:
+        raise ConfigError(
+            f"{field}: {config.name!r} is not a built-in reward ({', '.join(BUILTIN)}); give `function` or `url`"
+        )
+    return Reward(config.name, func, weight=config.weight, timeout_s=config.timeout_s)
+
+
+def make_rewards(scoring: ScoringConfig, default: str, given: dict[str, RewardFunc] | None = None) -> list[Reward]:
+    """The configured rewards; without any, `default` (run.reward) and the functions `given` in Python."""
+    given = dict(given or {})
+    rewards = [make_reward(c, i, given) for i, c in enumerate(scoring.rewards)]
+    named = {r.name for r in rewards}
+    rewards += [Reward(name, func) for name, func in given.items() if name not in named]
+    return rewards or [Reward(default, BUILTIN[default], inline=True)]
+
+
+def _prompt_text(prompt: Prompt) -> str:
+    users = [m.content for m in prompt.messages if m.role == "user"]
+    return users[-1] if users else ""
+
+
+class Scorer:
+    """Scores whole groups with every reward, concurrently with generation."""
+
+    def __init__(self, rewards: list[Reward], *, max_concurrency: int = 16) -> None:
+        if not rewards:
+            raise ValueError("at least one reward is needed")
+        self.rewards = rewards
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._threads = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollflow-reward")
+
+    async def score(self, prompt: Prompt, completions: list[str], completion_ids: list[list[int]]) -> list[Scored]:
+        n = len(completions)
+        columns: dict[str, list[Any]] = {key: [value] * n for key, value in prompt.metadata.items()}
+        columns |= {
+            "answer": [prompt.answer] * n,
+            "task": [prompt.task] * n,
+            "metadata": [prompt.metadata] * n,
+            "completion_ids": completion_ids,
+        }
+        prompts = [_prompt_text(prompt)] * n
+        async with self._slots:
+            results = await asyncio.gather(*(self._call(r, prompts, completions, columns) for r in self.rewards))
+        scored = []
+        for i in range(n):
+            parts: dict[str, float] = {}
+            reason = None
+            total = 0.0
+            for reward, (values, error) in zip(self.rewards, results, strict=True):
+                value, why = (None, error) if error else _check(values[i])
+                if why is not None:
+                    reason = reason or f"reward {reward.name}: {why}"
+                    continue
+                assert value is not None
+                parts[reward.name] = value
+                total += reward.weight * value
+            scored.append(Scored(None, reason, parts) if reason else Scored(total, None, parts))
+        return scored
+
+    async def _call(
+        self, reward: Reward, prompts: list[str], completions: list[str], columns: dict[str, list[Any]]
+    ) -> tuple[list[Any], str | None]:
+        """(values, None) or ([], the reason the whole call failed)."""
+        try:
+            if reward.inline and not reward.is_async:
+                values = reward.func(prompts, completions, **columns)
+            elif reward.is_async:
+                values = await asyncio.wait_for(reward.func(prompts, completions, **columns), reward.timeout_s)
+            else:
+                loop = asyncio.get_running_loop()
+                call = loop.run_in_executor(self._threads, lambda: reward.func(prompts, completions, **columns))
+                values = await asyncio.wait_for(call, reward.timeout_s)
+        except TimeoutError:
+            return [], f"timed out after {reward.timeout_s:g} s"
+        except Exception as err:  # a broken reward makes its samples unscorable, not 0
+            return [], f"raised {type(err).__name__}: {err}"
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            return [], f"returned {got} for {len(completions)} completions"
+        return list(values), None
+
+    async def aclose(self) -> None:
+        for reward in self.rewards:
+            close = getattr(reward.func, "aclose", None)
+            if close is not None:
+                await close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _check(value: Any) -> tuple[float | None, str | None]:
+    if value is None:
+        return None, "returned None"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None, f"returned {value!r} ({type(value).__name__}), expected a number or None"
+    if not math.isfinite(value):
+        return None, f"returned {value}"
+    return float(value), None
+
+
 def make_scorer(name: RewardName) -> Callable[[Prompt, str], tuple[float | None, str | None]]:
-    """A function (prompt, completion text) -> (reward, None) or (None, reason)."""
+    """A sync function (prompt, completion text) -> (reward, None) or (None, reason), for
+    evaluation with a built-in reward."""
 
     def score(prompt: Prompt, text: str) -> tuple[float | None, str | None]:
         try:
@@ -35,8 +240,6 @@ def make_scorer(name: RewardName) -> Callable[[Prompt, str], tuple[float | None,
                 value = verify(prompt.task, text, prompt.answer, prompt.metadata)
         except Exception as err:  # a broken verifier makes the sample unscorable, not 0
             return None, f"reward error: {type(err).__name__}: {err}"
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None, f"reward is not a finite number: {value!r}"
-        return float(value), None
+        return _check(value)
 
     return score

@@ -1,0 +1,117 @@
+"""Reward functions: TRL signature, sync or async, weighted; every failure is an explicit
+unscorable reason, never a 0."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from rollflow.config import RewardConfig, ScoringConfig
+from rollflow.errors import ConfigError
+from rollflow.records import Message, Prompt
+from rollflow.scoring import Reward, Scorer, make_reward, make_rewards
+
+PROMPT = Prompt(
+    id="p1",
+    token_ids=[1, 2],
+    messages=[Message(role="system", content="be brief"), Message(role="user", content="2+3?")],
+    answer="5",
+    task="arithmetic",
+    metadata={"level": 2},
+)
+
+
+async def score(*rewards: Reward, completions=("5", "six", "55")):
+    scorer = Scorer(list(rewards), max_concurrency=4)
+    try:
+        return await scorer.score(PROMPT, list(completions), [[7] * len(c) for c in completions])
+    finally:
+        await scorer.aclose()
+
+
+async def test_rewards_get_trl_arguments_and_are_summed_with_weights():
+    calls = {}
+
+    def length(prompts, completions, **kwargs):
+        calls["sync"] = (prompts, completions, kwargs, threading.current_thread() is threading.main_thread())
+        return [float(len(c)) for c in completions]
+
+    async def exact(prompts, completions, answer, **kwargs):
+        return [1.0 if c == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+    out = await score(Reward("length", length, weight=0.5), Reward("exact", exact, weight=2.0))
+    assert [s.reward for s in out] == [0.5 + 2.0, 1.5, 1.0]
+    assert out[0].parts == {"length": 1.0, "exact": 1.0} and all(s.reason is None for s in out)
+    prompts, completions, kwargs, on_loop = calls["sync"]
+    assert prompts == ["2+3?"] * 3 and completions == ["5", "six", "55"]
+    assert kwargs["answer"] == ["5"] * 3 and kwargs["task"] == ["arithmetic"] * 3 and kwargs["level"] == [2] * 3
+    assert kwargs["completion_ids"] == [[7], [7, 7, 7], [7, 7]] and kwargs["metadata"] == [{"level": 2}] * 3
+    assert not on_loop  # sync reward functions run off the event loop
+
+
+@pytest.mark.parametrize(
+    ("func", "reason"),
+    [
+        (lambda p, c, **k: [1.0, None, 2.0], "returned None"),
+        (lambda p, c, **k: [1.0, float("nan"), 2.0], "returned nan"),
+        (lambda p, c, **k: [1.0, "high", 2.0], "returned 'high' (str), expected a number or None"),
+        (lambda p, c, **k: [1.0, True, 2.0], "returned True (bool), expected a number or None"),
+    ],
+)
+async def test_a_bad_value_makes_only_its_sample_unscorable(func, reason):
+    out = await score(Reward("r", func))
+    assert [s.reward for s in out] == [1.0, None, 2.0]
+    assert out[1].reason == f"reward r: {reason}" and out[1].parts == {}
+
+
+def _raises(prompts, completions, **kwargs):
+    raise ValueError("no number in the completion")
+
+
+def _hangs(prompts, completions, **kwargs):
+    time.sleep(1.0)
+    return [1.0] * len(completions)
+
+
+async def _hangs_async(prompts, completions, **kwargs):
+    await asyncio.sleep(10)
+
+
+@pytest.mark.parametrize(
+    ("func", "reason"),
+    [
+        (_raises, "raised ValueError: no number in the completion"),
+        (_hangs, "timed out after 0.2 s"),
+        (_hangs_async, "timed out after 0.2 s"),
+        (lambda p, c, **k: [1.0], "returned 1 values for 3 completions"),
+        (lambda p, c, **k: 1.0, "returned float for 3 completions"),
+    ],
+)
+async def test_a_failed_call_makes_every_sample_of_the_call_unscorable(func, reason):
+    out = await score(Reward("ok", lambda p, c, **k: [1.0] * len(c)), Reward("bad", func, timeout_s=0.2))
+    assert [s.reward for s in out] == [None, None, None]  # never 0, and never the other reward alone
+    assert {s.reason for s in out} == {f"reward bad: {reason}"}
+
+
+def test_configured_rewards_resolve_or_name_the_field():
+    assert [r.name for r in make_rewards(ScoringConfig(), "digits")] == ["digits"]
+    given = {"mine": lambda p, c, **k: [0.0] * len(c)}
+    assert [r.name for r in make_rewards(ScoringConfig(), "digits", given)] == ["mine"]
+    configured = ScoringConfig(rewards=[RewardConfig(name="verifier", weight=0.5), RewardConfig(name="mine")])
+    rewards = make_rewards(configured, "digits", given)
+    assert [(r.name, r.weight) for r in rewards] == [("verifier", 0.5), ("mine", 1.0)]
+    function = make_reward(RewardConfig(name="x", function="rollflow.scoring:digits"), 0)
+    assert function.func([""], ["a1"]) == [0.5]
+    with pytest.raises(ConfigError, match=r"scoring.rewards\[0\]: 'nope' is not a built-in reward"):
+        make_reward(RewardConfig(name="nope"), 0)
+    with pytest.raises(ConfigError, match=r"scoring.rewards\[2\].function: cannot import module 'no_such_mod'"):
+        make_reward(RewardConfig(name="x", function="no_such_mod:f"), 2)
+    with pytest.raises(ConfigError, match=r"scoring.rewards\[0\].function: expected 'module:function'"):
+        make_reward(RewardConfig(name="x", function="digits"), 0)
+    with pytest.raises(ConfigError, match="not both"):
+        make_reward(RewardConfig(name="x", function="a:b", url="http://127.0.0.1:1/"), 0)
+    with pytest.raises(ConfigError, match="environment variable ROLLFLOW_NO_SUCH_TOKEN"):
+        make_reward(RewardConfig(name="x", url="http://127.0.0.1:1/", token_env="ROLLFLOW_NO_SUCH_TOKEN"), 0)
