@@ -316,6 +316,13 @@ class ScoringConfig(_Section, frozen=True):
     max_concurrency: PosInt = 16
     """Groups scored at once (scoring runs beside generation; sync functions use this many threads)."""
 
+    teacher: str = ""
+    """On-policy distillation: a teacher model (same references as `model.path`) that scores every
+    sampled token; each token's advantage gains `distill_coef × (log p_teacher − log p_student)`."""
+
+    distill_coef: NonNegFloat = 1.0
+    """Weight of the per-token reverse-KL advantage (with a teacher)."""
+
 
 class CheckpointConfig(_Section, frozen=True):
     enabled: bool = True

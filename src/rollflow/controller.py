@@ -56,7 +56,7 @@ from rollflow.models import chat_encoder, load_tokenizer, resolve_model
 from rollflow.records import Group, Prompt, Sample, TrainBatch
 from rollflow.rollout import PartialSample, Progress, rollout
 from rollflow.sampler import Sampler
-from rollflow.scoring import RewardFunc, Scorer, make_rewards, make_scorer
+from rollflow.scoring import RewardFunc, Scored, Scorer, make_rewards, make_scorer
 from rollflow.trace import Trace
 from rollflow.trainer import Trainer
 from rollflow.weight_sync import make_transport, plan_for, publish
@@ -155,6 +155,9 @@ class Controller:
         self._wall_offset = 0.0
         self._nonfinite_streak = 0
         self._last_checkpoint: Path | None = None
+        self.teacher: Any = None
+        """On-policy distillation: scores the student's tokens (`scoring.teacher`)."""
+        self._teacher_thread = ThreadPoolExecutor(1, "rollflow-teacher")
         self._steps_run = 0
         """Trainer steps completed (counted on the trainer thread, next to the weights)."""
         self.engine_restarts = 0
@@ -203,6 +206,11 @@ class Controller:
 
             torch.set_num_threads(cfg.run.trainer_threads)
         self.trainer = given["trainer"] or await asyncio.to_thread(Trainer, model_path, cfg.trainer, cfg.loss)
+        if cfg.scoring.teacher:
+            from rollflow.scoring.distill import Teacher
+
+            teacher_path = resolve_model(cfg.scoring.teacher)
+            self.teacher = await asyncio.to_thread(Teacher, teacher_path, cfg.trainer)
         engine_config = cfg.engine
         if cfg.trainer.lora.enabled and not engine_config.max_loras:
             # Every adapter still used by an in-flight request stays loaded: max_lag + 2 of them.
@@ -257,6 +265,7 @@ class Controller:
             if self.trainer.world_size > 1:
                 await asyncio.to_thread(broadcast, Stop())
             self._trainer_thread.shutdown(wait=False)
+            self._teacher_thread.shutdown(wait=False)
             await self.scorer.aclose()
             await self.transport.aclose()
             await self.engine.aclose()
@@ -471,6 +480,8 @@ class Controller:
         texts = [self.tokenizer.decode(s.completion_token_ids, skip_special_tokens=True) for s in samples]
         try:
             results = await self.scorer.score(prompt, texts, [s.completion_token_ids for s in samples])
+            if self.teacher is not None:
+                samples, results = await self._teacher_logprobs(samples, results)
         except asyncio.CancelledError:
             if not self._pending_saved:
                 self._drop(prompt.id, "run ended: being scored")
@@ -486,6 +497,21 @@ class Controller:
             return
         adv = group_advantages([s.reward for s in scored], estimator=cfg.loss.advantage, scale_std=cfg.loss.scale_std)
         await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages))
+
+    async def _teacher_logprobs(
+        self, samples: list[Sample], results: list[Scored]
+    ) -> tuple[list[Sample], list[Scored]]:
+        """Attach the teacher's log-probs of every sampled token; a failure makes the samples
+        unscorable with the reason."""
+        loop = asyncio.get_running_loop()
+        try:
+            logprobs = await loop.run_in_executor(self._teacher_thread, self.teacher, samples)
+        except Exception as err:  # the teacher is a scoring stage: its failure is a reason, not a crash
+            reason = f"teacher: raised {type(err).__name__}: {err}"
+            return samples, [Scored(None, r.reason or reason, r.parts) for r in results]
+        return [
+            msgspec.structs.replace(s, teacher_logprobs=lp) for s, lp in zip(samples, logprobs, strict=True)
+        ], results
 
     async def _rollout(self, prompt: Prompt, group_id: str, index: int, progress: Progress) -> Sample:
         lane = self.trace.lane()
@@ -551,7 +577,12 @@ class Controller:
             self._stepping = groups  # out of the buffer, not yet in the ledger
             t_batch = self.clock()
             batch, stats = build_batch(
-                step, groups, max_lag=run.max_lag, max_tokens=self.config.sampling.max_tokens, reward_name=run.reward
+                step,
+                groups,
+                max_lag=run.max_lag,
+                max_tokens=self.config.sampling.max_tokens,
+                reward_name=run.reward,
+                distill_coef=self.config.scoring.distill_coef,
             )
             trained: dict[str, float] = {}
             if batch.samples and hasattr(self.trainer, "step_async"):  # a simulated or remote trainer

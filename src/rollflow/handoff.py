@@ -55,15 +55,30 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def train_sample(sample: Sample, advantage: float, loss_mask: list[int] | None = None) -> TrainSample:
+def train_sample(
+    sample: Sample,
+    advantage: float,
+    loss_mask: list[int] | None = None,
+    *,
+    distill_coef: float = 0.0,
+    distill_baseline: float = 0.0,
+) -> TrainSample:
     """What the trainer needs from one sample (`loss_mask` overrides the sample's, e.g. to
-    withhold tokens that are too stale)."""
+    withhold tokens that are too stale). With teacher log-probs and `distill_coef`, every token's
+    advantage adds the reverse-KL term `distill_coef × (teacher − behaviour − distill_baseline)`."""
+    token_advantages = None
+    if sample.teacher_logprobs is not None and distill_coef:
+        token_advantages = [
+            advantage + distill_coef * (t - b - distill_baseline)
+            for t, b in zip(sample.teacher_logprobs, sample.logprobs, strict=True)
+        ]
     return TrainSample(
         input_ids=sample.prompt_token_ids + sample.completion_token_ids,
         prompt_len=len(sample.prompt_token_ids),
         logprobs=sample.logprobs,
         loss_mask=loss_mask if loss_mask is not None else sample.loss_mask,
         advantage=advantage,
+        token_advantages=token_advantages,
         temperature=sample.sampling.temperature,
         top_k=sample.sampling.top_k,
         top_p=sample.sampling.top_p,
@@ -71,19 +86,36 @@ def train_sample(sample: Sample, advantage: float, loss_mask: list[int] | None =
 
 
 def build_batch(
-    step: int, groups: list[Group], *, max_lag: int, max_tokens: int, reward_name: str
+    step: int,
+    groups: list[Group],
+    *,
+    max_lag: int,
+    max_tokens: int,
+    reward_name: str,
+    distill_coef: float = 0.0,
 ) -> tuple[TrainBatch, dict[str, Any]]:
     """The batch of optimizer step `step` from its groups, and the batch's metrics.
 
     Unscorable samples stay out (counted by reason); rewards are summarised in total and per
     reward function (`reward_name` names a sample scored without parts); tokens whose lag exceeds `max_lag` are
     withheld from the loss (`buffer.withhold_stale`) while their sample keeps its advantage.
+    Samples with teacher log-probs get per-token reverse-KL advantages (`train_sample`) and the
+    batch's `teacher_kl` (mean of behaviour − teacher log-prob over their tokens).
     """
     samples, all_lags, sample_lags, withheld, loss_lag_max = [], [], [], 0, 0
     rewards: list[float] = []
+    kl_terms: list[float] = []
     parts: dict[str, list[float]] = {}
     unscorable: dict[str, int] = {}
     for group in groups:
+        # Baseline of the reverse-KL term: its mean over the group's tokens (lowers the variance).
+        gaps = [
+            t - b
+            for s in group.samples
+            if s.reward is not None and s.teacher_logprobs is not None
+            for t, b in zip(s.teacher_logprobs, s.logprobs, strict=True)
+        ]
+        baseline = sum(gaps) / len(gaps) if gaps else 0.0
         for sample, advantage in zip(group.samples, group.advantages, strict=True):
             if sample.reward is None:
                 reason = sample.unscorable or "unknown"
@@ -100,7 +132,9 @@ def build_batch(
                     loss_lag_max = lag
             all_lags += token_lags
             sample_lags.append(max(token_lags, default=0))
-            samples.append(train_sample(sample, advantage, mask))
+            samples.append(train_sample(sample, advantage, mask, distill_coef=distill_coef, distill_baseline=baseline))
+            if sample.teacher_logprobs is not None:
+                kl_terms += [b - t for b, t in zip(sample.logprobs, sample.teacher_logprobs, strict=True)]
     mean, std = _mean_std(rewards)
     stats = {
         "reward_mean": mean,
@@ -119,6 +153,9 @@ def build_batch(
         "unscorable": sum(unscorable.values()),
         "unscorable_by_reason": unscorable,
     }
+    if kl_terms:
+        stats["teacher_kl"] = sum(kl_terms) / len(kl_terms)
+        stats["teacher_gap_abs_max"] = max(abs(k) for k in kl_terms)
     return TrainBatch(step=step, samples=samples, max_tokens=max_tokens), stats
 
 

@@ -78,6 +78,8 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Why the sample could not be scored (it is then excluded from the group baseline)."""
     reward_parts: dict[str, float] = {}
     """Each reward function's value (the total is their weighted sum)."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation: each completion token's log-prob under the teacher."""
     timing: Timing | None = None
 
     @property

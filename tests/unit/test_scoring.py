@@ -115,3 +115,27 @@ def test_configured_rewards_resolve_or_name_the_field():
         make_reward(RewardConfig(name="x", function="a:b", url="http://127.0.0.1:1/"), 0)
     with pytest.raises(ConfigError, match="environment variable ROLLFLOW_NO_SUCH_TOKEN"):
         make_reward(RewardConfig(name="x", url="http://127.0.0.1:1/", token_env="ROLLFLOW_NO_SUCH_TOKEN"), 0)
+
+
+def test_teacher_log_probs_become_centred_per_token_reverse_kl_advantages():
+    from rollflow.handoff import build_batch
+    from rollflow.records import Group, Sample, SamplingSpec
+
+    def sample(i, behaviour, teacher):
+        return Sample(
+            prompt_id="p", group_id="g", index=i, prompt_token_ids=[1], completion_token_ids=[5] * len(behaviour),
+            logprobs=behaviour, versions=[0] * len(behaviour), loss_mask=[1] * len(behaviour), finish_reason="stop",
+            sampling=SamplingSpec(), reward=1.0, teacher_logprobs=teacher,
+        )
+
+    group = Group(
+        prompt=PROMPT,
+        samples=[sample(0, [-1.0, -2.0], [-1.0, -1.0]), sample(1, [-3.0], [-4.0])],
+        advantages=[0.5, -0.5],
+    )
+    batch, stats = build_batch(0, [group], max_lag=0, max_tokens=4, reward_name="r", distill_coef=2.0)
+    # Gaps teacher - behaviour: 0, +1 and -1; their mean (the baseline) is 0.
+    assert [s.token_advantages for s in batch.samples] == [[0.5, 2.5], [-2.5]]
+    assert stats["teacher_kl"] == pytest.approx(0.0) and stats["teacher_gap_abs_max"] == 1.0
+    plain, _ = build_batch(0, [group], max_lag=0, max_tokens=4, reward_name="r")
+    assert [s.token_advantages for s in plain.samples] == [None, None]  # no coefficient: sequence advantages

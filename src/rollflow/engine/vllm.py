@@ -344,13 +344,15 @@ class VLLMEngine:
                 ) from None
             except VLLMDead as err:
                 raise self._dead(err) from err
+            except EngineDeadError:
+                raise  # closed after its death while this update was under way
             except Exception as err:
                 raise WeightSyncError(
                     f"weight update after version {self._version} failed in stage '{stage}': {err}; "
                     f"the engine keeps version {self._version}"
                 ) from err
             finally:
-                if not llm.errored:
+                if self._llm is not None and not llm.errored:
                     try:
                         async with asyncio.timeout(deadline):
                             await self.resume()
@@ -399,6 +401,7 @@ class VLLMEngine:
 
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
         if not self.config.max_loras:
             raise WeightSyncError("adapter sync needs a LoRA-enabled engine: set engine.max_loras > 0")
@@ -417,7 +420,11 @@ class VLLMEngine:
             request = LoRARequest(lora_name=f"rollflow-v{version}", lora_int_id=version, lora_path=str(folder))
             try:
                 async with asyncio.timeout(self.config.update_deadline_s):
-                    await self.llm.add_lora(request)
+                    await self._unless_dead(self.llm.add_lora(request))
+            except VLLMDead as err:
+                raise self._dead(err) from err
+            except EngineDeadError:
+                raise
             except Exception as err:
                 raise WeightSyncError(f"adapter version {version} failed to load: {err}") from err
             self._adapters[version] = request
