@@ -38,10 +38,13 @@ class InstantEngine:
         n = min(sampling.max_tokens, len(self.tokens))
         yield EngineOutput(self.tokens[:n], self.logprobs[:n], "length", [self.version] * n)
 
-    async def update_weights_with(self, load, *, partial="keep", deadline_s=None):
+    async def update_weights_with(self, load, *, partial="keep", deadline_s=None, version=None):
         await load()
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
         return self.version
+
+    def partial(self, request_id):
+        return None  # a request never runs long enough to be seen mid-way
 
     async def aclose(self):
         return None

@@ -1,7 +1,9 @@
 """Run under torchrun by test_trainer_ranks.py: one FSDP2 trainer step across gloo ranks.
 
-argv: BATCH_FILE OUT_DIR LORA(0|1). Rank 0 reads the batch and hands it to the other ranks
-with rollflow's handoff broadcast; every rank steps; rank 0 writes gradients, weights, metrics.
+argv: BATCH_FILE OUT_DIR LORA(0|1) [checkpoint]. Rank 0 reads the batch and hands it to the other
+ranks with rollflow's handoff broadcast; every rank steps; rank 0 writes gradients, weights,
+metrics. With `checkpoint`: every rank saves its shard after the step, a second trainer loads
+it, both step again, and rank 0 writes whether their weights agree.
 """
 
 import json
@@ -34,6 +36,19 @@ def main() -> None:
     grads = trainer.gradients()
     trainer.optimizer.zero_grad(set_to_none=True)
     metrics = trainer.step(received.batch)
+    if sys.argv[4:] == ["checkpoint"]:
+        rest = trainer.save(out_dir / "checkpoint")  # each rank writes its shard
+        restored = Trainer(tiny_model_path(0), config)
+        restored.load(out_dir / "checkpoint", rest)
+        trainer.step(received.batch)
+        restored.step(received.batch)  # equal only if weights and AdamW moments came back
+        a, b = dict(trainer.full_weights()), dict(restored.full_weights())
+        if rank == 0:
+            diff = max((a[k] - b[k]).abs().max().item() for k in a)
+            (out_dir / "checkpoint.json").write_text(json.dumps({"max_diff": diff, "steps": restored.steps}))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     weights = dict(trainer.full_weights())
     if rank == 0:
         torch.save({"grads": grads, "weights": weights}, out_dir / "result.pt")

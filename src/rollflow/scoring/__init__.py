@@ -171,7 +171,10 @@ class Scorer:
         }
         prompts = [_prompt_text(prompt)] * n
         async with self._slots:
-            results = await asyncio.gather(*(self._call(r, prompts, completions, columns) for r in self.rewards))
+            if len(self.rewards) == 1:  # the common case, without gather's tasks
+                results = [await self._call(self.rewards[0], prompts, completions, columns)]
+            else:
+                results = await asyncio.gather(*(self._call(r, prompts, completions, columns) for r in self.rewards))
         scored = []
         for i in range(n):
             parts: dict[str, float] = {}
