@@ -84,7 +84,10 @@ async def test_a_stop_saves_work_in_flight_and_resume_continues_it_exactly(tmp_p
     trained_groups = record_groups(monkeypatch)
     resumed = await asyncio.wait_for(make(tmp_path, resume=True).run(), 60)
     assert resumed.first_step == 2 and not resumed.stopped
-    assert [m["step"] for m in jsonl(tmp_path / "metrics.jsonl")] == list(range(6))
+    metrics = jsonl(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(6))
+    # Staleness stays bounded across the resume: no token in the loss lags more than max_lag (1).
+    assert all(m["loss_lag_max"] <= 1 for m in metrics) and max(m["lag_max"] for m in metrics[2:]) <= 2
     continued = 0
     for group in trained_groups:
         for i, sample in enumerate(group.samples):

@@ -136,8 +136,12 @@ def test_wandb_sink_logs_offline_under_the_run_directory(tmp_path, monkeypatch):
     sink.close()
     files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
+    # The run file holds protobuf records; the logged keys appear in them verbatim. wandb's
+    # service process may still be writing them after `finish()` returns.
+    deadline = time.monotonic() + 30
+    while b"rewards/digits/mean" not in files[0].read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.1)
     data = files[0].read_bytes()
-    # The run file holds protobuf records; the logged keys appear in them verbatim.
     assert b"reward_mean" in data and b"rewards/digits/mean" in data
 
 
