@@ -233,7 +233,7 @@ class Controller:
                 specs = [(n, t.dtype, tuple(t.shape)) for n, t in self._weight_specs()]
                 self.plan = plan_for(specs)
             if self._first_step > 0:
-                await self._restore_engine_weights()
+                await self._load_trainer_weights(self.engine)
             if cfg.run.eval_prompts and checkpoint is None:
                 eval_before = await self._evaluate()
             try:
@@ -343,20 +343,6 @@ class Controller:
         await self.admission.advance(state.step)
         for group in state.buffer:
             await self.buffer.put(group)
-
-    async def _restore_engine_weights(self) -> None:
-        """Load the restored trainer's weights into the fresh engine, labelled with the
-        checkpoint's version, before anything is generated."""
-        cfg = self.config
-        version = self._first_step
-        if cfg.trainer.lora.enabled:
-            weights = self.trainer.adapter_weights()
-            await self.engine.update_adapter(weights, self.trainer.adapter_config(), version=version)
-            return
-        if self.trainer.world_size > 1:
-            await asyncio.to_thread(broadcast, Sync())
-        await self.transport.stage(self.plan, self.trainer.full_weights())
-        await publish(self.engine, self.transport, self.plan, version=version)
 
     # ---- checkpoints --------------------------------------------------------------------
 
@@ -778,19 +764,28 @@ class Controller:
             await engine.start()
             if not self.config.trainer.lora.enabled:
                 await self.transport.connect(engine)
-            loop = asyncio.get_running_loop()
-            async with self._stage_lock:
-                version, weights = await loop.run_in_executor(self._trainer_thread, self._current_weights)
-            if version > 0 and self.config.trainer.lora.enabled:
-                await engine.update_adapter(weights, self.trainer.adapter_config(), version=version)
-            elif version > 0:
-                await engine.update_weights(weights, version=version)
+            version = await self._load_trainer_weights(engine)
             self.engine = engine
             self.trace.span("engine restart", "engine update", began, self.clock(), version=version)
             log.error("engine restarted in %.1f s, serving version %d", self.clock() - began, version)
 
+    async def _load_trainer_weights(self, engine: Any) -> int:
+        """Give a freshly started engine (a resumed run's, or a dead one's replacement) the
+        trainer's current weights, labelled with the number of steps they carry; returns that
+        version. They are read on the trainer thread, so never halfway through a step."""
+        loop = asyncio.get_running_loop()
+        async with self._stage_lock:
+            version, weights = await loop.run_in_executor(self._trainer_thread, self._current_weights)
+        if version > 0 and self.config.trainer.lora.enabled:
+            await engine.update_adapter(weights, self.trainer.adapter_config(), version=version)
+        elif version > 0:
+            await engine.update_weights(weights, version=version)
+        return version
+
     def _current_weights(self) -> tuple[int, dict[str, Any]]:
         """(steps the trainer has run, its weights), read on the trainer thread."""
+        if self._steps_run == 0:
+            return 0, {}  # the engine starts with these weights
         if self.config.trainer.lora.enabled:
             return self._steps_run, self.trainer.adapter_weights()
         if self.trainer.world_size > 1:

@@ -233,14 +233,14 @@ def _check(value: Any) -> tuple[float | None, str | None]:
 
 def make_scorer(name: RewardName) -> Callable[[Prompt, str], tuple[float | None, str | None]]:
     """A sync function (prompt, completion text) -> (reward, None) or (None, reason), for
-    evaluation with a built-in reward."""
+    evaluation with a built-in reward (one completion at a time)."""
+    func = BUILTIN[name]
 
     def score(prompt: Prompt, text: str) -> tuple[float | None, str | None]:
         try:
-            if name == "digits":
-                value = digits_reward(text)
-            else:
-                value = verify(prompt.task, text, prompt.answer, prompt.metadata)
+            (value,) = func(
+                [_prompt_text(prompt)], [text], answer=[prompt.answer], task=[prompt.task], metadata=[prompt.metadata]
+            )
         except Exception as err:  # a broken verifier makes the sample unscorable, not 0
             return None, f"reward error: {type(err).__name__}: {err}"
         return _check(value)
