@@ -62,3 +62,33 @@ def group_advantages(
     for i, a in zip(index, centred, strict=True):
         advantages[i] = a
     return GroupAdvantages(advantages, unscorable, False)
+
+
+def process_advantages(
+    steps: list[list[tuple[int, float]] | None], lengths: list[int], *, scale_std: bool = True
+) -> list[list[float] | None]:
+    """Per-token advantages from process (per-step) rewards, for one group.
+
+    `steps[i]` holds sample i's (end token index, reward) pairs, or None when the sample is
+    unscorable; `lengths[i]` is its completion length. Every step reward of the group's scorable
+    samples is centred on their mean (and divided by their std when `scale_std`); a token's
+    advantage is the sum of the normalised rewards of the steps ending at or after it (the reward
+    still to come, as in process-supervised GRPO). Unscorable samples get None; a group whose step
+    rewards are all equal (or fewer than two) gets zeros.
+    """
+    values = [r for s in steps if s for _, r in s if math.isfinite(r)]
+    out: list[list[float] | None] = [None if s is None else [0.0] * n for s, n in zip(steps, lengths, strict=True)]
+    if len(values) < 2 or max(values) - min(values) <= STD_EPS:
+        return out
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if scale_std else 1.0
+    for sample_steps, tokens in zip(steps, out, strict=True):
+        if not sample_steps or tokens is None:
+            continue
+        for end, reward in sample_steps:
+            if not 0 <= end < len(tokens):
+                raise ValueError(f"a process reward ends at token {end}, outside the completion's {len(tokens)} tokens")
+            normalised = (reward - mean) / (std + STD_EPS)
+            for t in range(end + 1):  # every token up to the step's end earns it
+                tokens[t] += normalised
+    return out

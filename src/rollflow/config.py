@@ -126,6 +126,26 @@ class RolloutConfig(_Section, frozen=True):
     `resume` aborts and resubmits prompt + prefix, `restart` starts over from the prompt."""
 
 
+class EnvConfig(_Section, frozen=True):
+    name: str = ""
+    """A multi-turn environment for every sample (empty: single-turn completions): `calculator`
+    (arithmetic with a calculator tool), `retry` (answer, hear whether it was right, try again)
+    or `module:attribute`, a class or function of no arguments returning an `Environment`."""
+
+    max_turns: PosInt = 4
+    """Model turns per episode at most."""
+
+    max_tokens: PosInt = 256
+    """Completion tokens per episode at most, the model's and the environment's together
+    (each turn also stops at `sampling.max_tokens`)."""
+
+    step_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
+    """Per call of the environment's reset or step; past it the episode ends unscorable."""
+
+    tool_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
+    """Built-in tool environments: per tool call; past it the model reads a timeout error as the result."""
+
+
 class LoRAConfig(_Section, frozen=True):
     enabled: bool = False
     """Train a LoRA adapter (peft) instead of all weights; only adapter tensors are synced."""
@@ -308,6 +328,11 @@ class RewardConfig(_Section, frozen=True):
     max_connections: PosInt = 16
     """Remote only: concurrent requests to the server."""
 
+    process: bool = False
+    """A process reward: the function returns, per completion, a list of `[token_index, reward]`
+    pairs (steps ending at that completion token) instead of one number. Their sum counts in the
+    total; `scoring.process_coef` also credits each step to the tokens before it."""
+
 
 class ScoringConfig(_Section, frozen=True):
     rewards: list[RewardConfig] = msgspec.field(default_factory=list)
@@ -322,6 +347,11 @@ class ScoringConfig(_Section, frozen=True):
 
     distill_coef: NonNegFloat = 1.0
     """Weight of the per-token reverse-KL advantage (with a teacher)."""
+
+    process_coef: NonNegFloat = 0.0
+    """Weight of process-reward credit (from process reward functions and environments' per-turn
+    rewards): each token's advantage gains this times the group-normalised step rewards still to
+    come. 0 uses only the total (outcome) reward."""
 
 
 class CheckpointConfig(_Section, frozen=True):
@@ -355,6 +385,9 @@ class Config(_Section, frozen=True):
 
     rollout: RolloutConfig = RolloutConfig()
     """How samples are generated."""
+
+    env: EnvConfig = EnvConfig()
+    """Multi-turn episodes with an environment (tools, feedback)."""
 
     trainer: TrainerConfig = TrainerConfig()
     """The optimizer step on each trainer rank."""

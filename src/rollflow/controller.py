@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from rollflow import faults
-from rollflow.advantage import group_advantages
+from rollflow.advantage import group_advantages, process_advantages
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import (
     CHECKPOINTS,
@@ -47,13 +47,14 @@ from rollflow.checkpoint import (
 )
 from rollflow.config import Config, dump_config
 from rollflow.engine.vllm import VLLMEngine
+from rollflow.envs import ChatFormat, EnvFactory, EpisodeLimits, load_environment, run_episode
 from rollflow.errors import EngineDeadError, EngineError, TrainingError, UserInputError
 from rollflow.evaluate import EvalReport, evaluate, sampling_spec
 from rollflow.handoff import Load, Save, Step, Stop, Sync, broadcast, build_batch
 from rollflow.ledger import LEDGER, LedgerEntry, truncate
 from rollflow.metrics import JsonlSink, LoopLag, make_sinks
 from rollflow.models import chat_encoder, load_tokenizer, resolve_model
-from rollflow.records import Group, Prompt, Sample, TrainBatch
+from rollflow.records import Group, Prompt, Sample, SamplingSpec, TrainBatch
 from rollflow.rollout import PartialSample, Progress, rollout
 from rollflow.sampler import Sampler
 from rollflow.scoring import RewardFunc, Scored, Scorer, make_rewards, make_scorer
@@ -101,6 +102,7 @@ class Controller:
         resume: bool = False,
         engine_factory: Callable[[], Any] | None = None,
         reward_funcs: dict[str, RewardFunc] | None = None,
+        env: EnvFactory | None = None,
     ):
         """`engine`, `trainer`, `transport` and `tokenizer` default to the real ones built from the
         config; tests pass fakes that honour the same interfaces, and the simulator passes simulated
@@ -108,7 +110,9 @@ class Controller:
         `output_dir` from its latest checkpoint. `engine_factory` builds a replacement engine when
         the one in use dies (default: a new vLLM engine like the first; none for a given engine).
         `reward_funcs`: reward functions by name (TRL signature), added to those configured in
-        `[[scoring.rewards]]` (an entry with the same name sets its weight and timeout)."""
+        `[[scoring.rewards]]` (an entry with the same name sets its weight and timeout). `env`:
+        makes the `Environment` of each multi-turn episode (default: the one `env.name` names;
+        none: single-turn samples)."""
         self.clock = clock
         self.resume = resume
         self._engine_factory = engine_factory
@@ -122,9 +126,12 @@ class Controller:
         self.buffer = GroupBuffer()
         self.score = make_scorer(run.reward)
         """The built-in reward, for held-out evaluation."""
-        self.scorer = Scorer(
-            make_rewards(config.scoring, run.reward, reward_funcs), max_concurrency=config.scoring.max_concurrency
-        )
+        if env is None and config.env.name:
+            env = load_environment(config.env.name, tool_timeout_s=config.env.tool_timeout_s)
+        self.env = env
+        """Makes each episode's environment; None: single-turn samples."""
+        rewards = make_rewards(config.scoring, run.reward, reward_funcs, env=env is not None)
+        self.scorer = Scorer(rewards, max_concurrency=config.scoring.max_concurrency)
         """Every training reward, run on whole groups beside generation."""
         self.spec = sampling_spec(config)
         self._inflight: dict[str, asyncio.Task[None]] = {}
@@ -200,6 +207,7 @@ class Controller:
         model_path = resolve_model(cfg.model.path) if needs_model else Path(cfg.model.path)
         self.tokenizer = given["tokenizer"] or load_tokenizer(model_path)
         encode = chat_encoder(self.tokenizer)
+        self.chat = ChatFormat(self.tokenizer)
         self.sampler = Sampler(cfg.data, encode)
         if given["trainer"] is None:
             import torch
@@ -464,8 +472,9 @@ class Controller:
         began = self.clock()
         self._generated_tokens += sum(sample.num_tokens for sample in samples)
         texts = [self.tokenizer.decode(s.completion_token_ids, skip_special_tokens=True) for s in samples]
+        prior = [_env_score(s) for s in samples] if self.env is not None else None
         try:
-            results = await self.scorer.score(prompt, texts, [s.completion_token_ids for s in samples])
+            results = await self.scorer.score(prompt, texts, [s.completion_token_ids for s in samples], prior)
             if self.teacher is not None:
                 samples, results = await self._teacher_logprobs(samples, results)
         except asyncio.CancelledError:
@@ -473,7 +482,9 @@ class Controller:
                 self._drop(prompt.id, "run ended: being scored")
             raise
         scored = [
-            msgspec.structs.replace(sample, reward=r.reward, unscorable=r.reason, reward_parts=r.parts)
+            msgspec.structs.replace(
+                sample, reward=r.reward, unscorable=r.reason, reward_parts=r.parts, process_rewards=r.steps
+            )
             for sample, r in zip(samples, results, strict=True)
         ]
         self.trace.span("reward", "reward", began, self.clock(), prompt=prompt.id, rewards=[s.reward for s in scored])
@@ -482,7 +493,15 @@ class Controller:
             await self.admission.release(len(scored))
             return
         adv = group_advantages([s.reward for s in scored], estimator=cfg.loss.advantage, scale_std=cfg.loss.scale_std)
-        await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages))
+        credit: list[list[float] | None] = []
+        if cfg.scoring.process_coef and any(s.process_rewards for s in scored):
+            per_token = process_advantages(
+                [s.process_rewards if s.reward is not None else None for s in scored],
+                [s.num_tokens for s in scored],
+                scale_std=cfg.loss.scale_std,
+            )
+            credit = [None if t is None else [cfg.scoring.process_coef * a for a in t] for t in per_token]
+        await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages, token_advantages=credit))
 
     async def _teacher_logprobs(
         self, samples: list[Sample], results: list[Scored]
@@ -503,21 +522,10 @@ class Controller:
         lane = self.trace.lane()
         version, began = self.engine.version, self.clock()
         try:
-            while True:
-                engine = self.engine
-                try:
-                    sample = await rollout(
-                        engine,
-                        prompt,
-                        self.spec,
-                        group_id=group_id,
-                        index=index,
-                        partial=self.config.rollout.partial,
-                        progress=progress,
-                    )
-                    break
-                except EngineDeadError as err:
-                    await self._recover(engine, err)  # then continue from the progress kept
+            if self.env is None:
+                sample = await self._stream(prompt, self.spec, group_id, index, progress)
+            else:
+                sample = await self._episode(prompt, group_id, index, progress)
         except BaseException:
             self.trace.span("generate (ended early)", lane, began, self.clock(), prompt=prompt.id, sample=index)
             raise
@@ -534,7 +542,49 @@ class Controller:
             version_start=sample.versions[0] if sample.versions else version,
             version_end=sample.versions[-1] if sample.versions else version,
             interruptions=sample.interruptions,
+            turns=sample.turns,
         )
+        return sample
+
+    async def _stream(
+        self, prompt: Prompt, spec: SamplingSpec, group_id: str, index: int, progress: Progress
+    ) -> Sample:
+        """One generation, carried over to a new engine (from the tokens it had) if the engine dies."""
+        while True:
+            engine = self.engine
+            try:
+                return await rollout(
+                    engine,
+                    prompt,
+                    spec,
+                    group_id=group_id,
+                    index=index,
+                    partial=self.config.rollout.partial,
+                    progress=progress,
+                )
+            except EngineDeadError as err:
+                await self._recover(engine, err)  # then continue from the progress kept
+
+    async def _episode(self, prompt: Prompt, group_id: str, index: int, progress: Progress) -> Sample:
+        """A multi-turn episode. Its progress is saved only once it is done: a checkpoint taken
+        mid-episode restarts it from its prompt (an environment's state cannot be saved)."""
+        assert self.env is not None
+
+        async def turn(token_ids: list[int], spec: SamplingSpec, n: int) -> Sample:
+            turn_prompt = Prompt(id=prompt.id, token_ids=token_ids)
+            return await self._stream(turn_prompt, spec, f"{group_id}/t{n}", index, Progress())
+
+        cfg = self.config
+        limits = EpisodeLimits(
+            max_turns=cfg.env.max_turns,
+            max_tokens=cfg.env.max_tokens,
+            max_model_len=cfg.engine.max_model_len,
+            step_timeout_s=cfg.env.step_timeout_s,
+        )
+        sample = await run_episode(
+            self.env(), prompt, self.spec, turn, self.chat, group_id=group_id, index=index, limits=limits
+        )
+        progress.saved = PartialSample(done=sample)
         return sample
 
     def _busy_total(self) -> float:
@@ -566,7 +616,7 @@ class Controller:
                 step,
                 groups,
                 max_lag=run.max_lag,
-                max_tokens=self.config.sampling.max_tokens,
+                max_tokens=self.config.env.max_tokens if self.env else self.config.sampling.max_tokens,
                 reward_name=run.reward,
                 distill_coef=self.config.scoring.distill_coef,
             )
@@ -833,6 +883,17 @@ class Controller:
         self._inflight.clear()
 
 
+def _env_score(sample: Sample) -> Scored:
+    """What an episode earned from its environment: the sum of its turns' rewards as the part
+    `env` (with each turn's reward as a process reward), or why it failed."""
+    if sample.unscorable is not None:
+        return Scored(None, sample.unscorable)
+    if not sample.process_rewards:
+        return Scored(None)
+    total = sum(r for _, r in sample.process_rewards)
+    return Scored(total, None, {"env": total}, list(sample.process_rewards))
+
+
 def follow(trainer: Trainer) -> None:
     """The loop of trainer ranks other than 0: step and gather weights as rank 0 says."""
     while True:
@@ -858,8 +919,11 @@ async def train(
     on_step: Callable[[dict], None] | None = None,
     resume: bool = False,
     reward_funcs: dict[str, RewardFunc] | None = None,
+    env: EnvFactory | None = None,
 ) -> RunResult:
     """Run training in the current event loop; writes config.toml, metrics.jsonl, ledger.jsonl
     and checkpoints. `resume`: continue the run in `output_dir` from its latest checkpoint.
-    `reward_funcs`: reward functions by name (TRL signature), besides the configured ones."""
-    return await Controller(config, output_dir, on_step=on_step, resume=resume, reward_funcs=reward_funcs).run()
+    `reward_funcs`: reward functions by name (TRL signature), besides the configured ones.
+    `env`: makes each episode's `Environment` (multi-turn), instead of the one `env.name` names."""
+    controller = Controller(config, output_dir, on_step=on_step, resume=resume, reward_funcs=reward_funcs, env=env)
+    return await controller.run()

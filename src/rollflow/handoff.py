@@ -62,15 +62,20 @@ def train_sample(
     *,
     distill_coef: float = 0.0,
     distill_baseline: float = 0.0,
+    token_extra: list[float] | None = None,
 ) -> TrainSample:
     """What the trainer needs from one sample (`loss_mask` overrides the sample's, e.g. to
     withhold tokens that are too stale). With teacher log-probs and `distill_coef`, every token's
-    advantage adds the reverse-KL term `distill_coef × (teacher − behaviour − distill_baseline)`."""
+    advantage adds the reverse-KL term `distill_coef × (teacher − behaviour − distill_baseline)`;
+    `token_extra` (process-reward credit) is added per token as given."""
     token_advantages = None
+    if token_extra is not None:
+        token_advantages = [advantage + extra for extra in token_extra]
     if sample.teacher_logprobs is not None and distill_coef:
+        base = token_advantages or [advantage] * sample.num_tokens
         token_advantages = [
-            advantage + distill_coef * (t - b - distill_baseline)
-            for t, b in zip(sample.teacher_logprobs, sample.logprobs, strict=True)
+            a + distill_coef * (t - b - distill_baseline)
+            for a, t, b in zip(base, sample.teacher_logprobs, sample.logprobs, strict=True)
         ]
     return TrainSample(
         input_ids=sample.prompt_token_ids + sample.completion_token_ids,
@@ -104,6 +109,7 @@ def build_batch(
     """
     samples, all_lags, sample_lags, withheld, loss_lag_max = [], [], [], 0, 0
     rewards: list[float] = []
+    turns: list[int] = []
     kl_terms: list[float] = []
     parts: dict[str, list[float]] = {}
     unscorable: dict[str, int] = {}
@@ -116,12 +122,14 @@ def build_batch(
             for t, b in zip(s.teacher_logprobs, s.logprobs, strict=True)
         ]
         baseline = sum(gaps) / len(gaps) if gaps else 0.0
-        for sample, advantage in zip(group.samples, group.advantages, strict=True):
+        extras = group.token_advantages or [None] * len(group.samples)
+        for sample, advantage, extra in zip(group.samples, group.advantages, extras, strict=True):
             if sample.reward is None:
                 reason = sample.unscorable or "unknown"
                 unscorable[reason] = unscorable.get(reason, 0) + 1
                 continue
             rewards.append(sample.reward)
+            turns.append(sample.turns)
             for name, value in (sample.reward_parts or {reward_name: sample.reward}).items():
                 parts.setdefault(name, []).append(value)
             mask, n = withhold_stale(sample.versions, sample.loss_mask, step, max_lag)
@@ -132,7 +140,11 @@ def build_batch(
                     loss_lag_max = lag
             all_lags += token_lags
             sample_lags.append(max(token_lags, default=0))
-            samples.append(train_sample(sample, advantage, mask, distill_coef=distill_coef, distill_baseline=baseline))
+            samples.append(
+                train_sample(
+                    sample, advantage, mask, distill_coef=distill_coef, distill_baseline=baseline, token_extra=extra
+                )
+            )
             if sample.teacher_logprobs is not None:
                 kl_terms += [b - t for b, t in zip(sample.logprobs, sample.teacher_logprobs, strict=True)]
     mean, std = _mean_std(rewards)
@@ -142,6 +154,7 @@ def build_batch(
         "rewards": {name: dict(zip(("mean", "std"), _mean_std(values), strict=True)) for name, values in parts.items()},
         "samples": len(samples),
         "tokens": sum(s.num_completion for s in samples),
+        "turns_mean": sum(turns) / len(turns) if turns else 0.0,
         "lag_mean": sum(all_lags) / len(all_lags) if all_lags else 0.0,
         "lag_max": max(all_lags, default=0),
         "lag_hist": histogram(all_lags),

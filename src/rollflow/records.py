@@ -80,6 +80,11 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Each reward function's value (the total is their weighted sum)."""
     teacher_logprobs: list[float] | None = None
     """On-policy distillation: each completion token's log-prob under the teacher."""
+    process_rewards: list[tuple[int, float]] = []
+    """Process (per-step) rewards: (index of the completion token that ends the step, reward).
+    They count in `reward` too; `scoring.process_coef` also credits them to the tokens before them."""
+    turns: int = 1
+    """Model turns in the completion (more than one for a multi-turn episode)."""
     timing: Timing | None = None
 
     @property
@@ -98,6 +103,9 @@ class Group(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     prompt: Prompt
     samples: list[Sample]
     advantages: list[float] = []
+    token_advantages: list[list[float] | None] = []
+    """Per sample, per completion token advantage added to the sample's (process rewards); None
+    for none. Empty when no sample of the group has process rewards."""
 
 
 class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -83,6 +83,14 @@ def _evaluate(node: ast.AST, used: list[int]) -> int:
     raise ValueError("not a + - * expression over integers")
 
 
+def evaluate_expression(text: str) -> int:
+    """Value of an expression of + - * over integers and parentheses; ValueError otherwise."""
+    try:
+        return _evaluate(ast.parse(text.strip(), mode="eval"), [])
+    except (SyntaxError, RecursionError) as err:
+        raise ValueError(f"not an arithmetic expression: {text!r}") from err
+
+
 def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
     """1.0 when the last line of the completion is an expression that uses exactly the given
     numbers and evaluates to the target."""

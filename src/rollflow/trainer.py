@@ -320,9 +320,10 @@ class Trainer:
             logprobs, entropy = self._logprobs(self.module, t, sampling)
             # A token outside the trainer's top-k / top-p support (near-ties off-policy) has
             # log-prob -inf: it leaves the loss and is counted, instead of turning it into NaN.
+            # Environment tokens (mask 0) were never sampled and are often outside it too.
             finite = torch.isfinite(logprobs)
             outside = float((t["mask"] * ~finite).sum())
-            if outside:
+            if not bool(finite.all()):
                 t["mask"] = t["mask"] * finite
                 logprobs = torch.where(finite, logprobs, torch.zeros_like(logprobs))
             ref = None

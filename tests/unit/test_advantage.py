@@ -36,3 +36,21 @@ def test_unscorable_samples_are_excluded_and_counted():
     assert out.advantages[0] == pytest.approx(z, rel=1e-5) and out.advantages[2] == pytest.approx(-z, rel=1e-5)
     lone = group_advantages([1.0, None, None])
     assert lone.advantages == [0.0, 0.0, 0.0] and lone.unscorable == 2 and lone.degenerate
+
+
+def test_process_advantages_by_hand():
+    from rollflow.advantage import process_advantages
+
+    # Step rewards 1, 0 (sample 0) and 0, 1 (sample 1): mean 0.5, std sqrt(1/3); unscaled here.
+    steps = [[(1, 1.0), (3, 0.0)], [(0, 0.0), (2, 1.0)], None]
+    out = process_advantages(steps, [4, 3, 5], scale_std=False)
+    assert out[0] == pytest.approx([0.0, 0.0, -0.5, -0.5])  # tokens 0-1 earn +0.5 and -0.5
+    assert out[1] == pytest.approx([0.0, 0.5, 0.5])
+    assert out[2] is None  # unscorable
+    scaled = process_advantages(steps, [4, 3, 5])
+    std = math.sqrt(1 / 3)
+    assert scaled[1] == pytest.approx([0.0, 0.5 / std, 0.5 / std], rel=1e-5)
+    # Equal step rewards carry no signal; a step outside the completion is an error.
+    assert process_advantages([[(0, 1.0)], [(1, 1.0)]], [2, 2]) == [[0.0, 0.0], [0.0, 0.0]]
+    with pytest.raises(ValueError, match="outside"):
+        process_advantages([[(5, 1.0)], [(0, 0.0)]], [2, 2])

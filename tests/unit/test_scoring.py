@@ -12,7 +12,7 @@ import pytest
 from rollflow.config import RewardConfig, ScoringConfig
 from rollflow.errors import ConfigError
 from rollflow.records import Message, Prompt
-from rollflow.scoring import Reward, Scorer, make_reward, make_rewards
+from rollflow.scoring import NO_REWARD, Reward, Scored, Scorer, digits, make_reward, make_rewards
 
 PROMPT = Prompt(
     id="p1",
@@ -139,3 +139,33 @@ def test_teacher_log_probs_become_centred_per_token_reverse_kl_advantages():
     assert stats["teacher_kl"] == pytest.approx(0.0) and stats["teacher_gap_abs_max"] == 1.0
     plain, _ = build_batch(0, [group], max_lag=0, max_tokens=4, reward_name="r")
     assert [s.token_advantages for s in plain.samples] == [None, None]  # no coefficient: sequence advantages
+
+
+async def test_process_rewards_are_validated_weighted_and_summed():
+    def prm(prompts, completions, completion_ids, **kwargs):
+        return [[[0, 0.5], [len(ids) - 1, 1.0]] for ids in completion_ids[:2]] + [[[99, 1.0]]]
+
+    scored = await score(Reward("prm", prm, weight=2.0, process=True))
+    assert scored[0].reward == pytest.approx(3.0) and scored[0].parts == {"prm": 1.5}
+    assert scored[0].steps == [(0, 1.0), (0, 2.0)]  # "5" is one token here: both steps end at it
+    assert scored[1].steps == [(0, 1.0), (2, 2.0)]
+    assert scored[2].reward is None and "step end 99, expected a token index in [0, 2)" in (scored[2].reason or "")
+
+    def bad(prompts, completions, **kwargs):
+        return [[[0, float("nan")]], 3.0, [["a", 1.0]]]
+
+    reasons = [s.reason for s in await score(Reward("prm", bad, process=True))]
+    assert "step at token 0 returned nan" in reasons[0]
+    assert "expected a list of [token_index, reward] pairs" in reasons[1]
+    assert "step end 'a'" in reasons[2]
+
+
+async def test_an_environment_reward_adds_to_the_functions_and_its_failure_wins():
+    prior = [Scored(1.0, None, {"env": 1.0}, [(0, 1.0)]), Scored(None, "environment: step raised X"), Scored(None)]
+    scorer = Scorer([Reward("digits", digits, weight=0.5, inline=True)])
+    scored = await scorer.score(PROMPT, ["5", "6", "ab"], [[1], [1], [1, 2]], prior)
+    assert scored[0] == Scored(1.5, None, {"env": 1.0, "digits": 1.0}, [(0, 1.0)])
+    assert scored[1].reward is None and scored[1].reason == "environment: step raised X"
+    assert scored[2] == Scored(0.0, None, {"digits": 0.0})
+    alone = await Scorer([]).score(PROMPT, ["5", "6"], [[1], [1]], prior[:1] + [Scored(None)])
+    assert alone[0].reward == 1.0 and alone[1].reason == NO_REWARD

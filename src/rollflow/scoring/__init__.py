@@ -10,6 +10,12 @@ timeout. A value that is None, NaN or infinite, not a number, or missing (a list
 length), and a function that raises or times out, make the sample *unscorable* with a reason
 naming the reward: it is left out of its group's baseline and counted, never scored 0.
 
+A process reward (`process = true`) returns, per completion, a list of `[token_index, reward]`
+pairs instead of one number: steps of the completion ending at those tokens. Their weighted sum
+counts in the total like any reward; the steps are kept on the sample for per-token credit
+(`scoring.process_coef`). An environment's per-turn rewards arrive the same way, as the part
+`env` (`Scorer.score`'s `prior`).
+
 Built-in rewards: `verifier` (the prompt's task checker: 1.0 correct, 0.0 wrong) and `digits`
 (the fraction of the completion's characters that are digits — a trivially learnable signal for
 smoke tests). Remote reward servers: `rollflow.scoring.remote.RemoteReward`.
@@ -69,14 +75,28 @@ class Scored(msgspec.Struct, frozen=True):
     reward: float | None
     reason: str | None = None
     parts: dict[str, float] = {}
+    steps: list[tuple[int, float]] = []
+    """Process rewards: (index of the completion token ending the step, weighted reward)."""
+
+
+NO_REWARD = "no reward: the environment gave none and no reward function is configured"
 
 
 class Reward:
     """One reward function with its name, weight and timeout."""
 
     def __init__(
-        self, name: str, func: RewardFunc, *, weight: float = 1.0, timeout_s: float = 30.0, inline: bool = False
+        self,
+        name: str,
+        func: RewardFunc,
+        *,
+        weight: float = 1.0,
+        timeout_s: float = 30.0,
+        inline: bool = False,
+        process: bool = False,
     ) -> None:
+        self.process = process
+        """Returns [token_index, reward] pairs per completion instead of one number."""
         self.name = name
         self.func = func
         self.weight = weight
@@ -122,26 +142,33 @@ def make_reward(config: RewardConfig, index: int, given: dict[str, RewardFunc] |
         )
         # The client times each attempt; the call as a whole may take every retry and backoff.
         total = (config.timeout_s + config.backoff_s * 2**config.max_retries) * (config.max_retries + 1)
-        return Reward(config.name, func, weight=config.weight, timeout_s=total)
+        return Reward(config.name, func, weight=config.weight, timeout_s=total, process=config.process)
     if config.function:
         func = load_function(config.function, f"{field}.function")
     elif given and config.name in given:
         func = given[config.name]
     elif config.name in BUILTIN:
+        if config.process:
+            raise ConfigError(f"{field}: the built-in {config.name!r} is not a process reward")
         return Reward(config.name, BUILTIN[config.name], weight=config.weight, inline=True)
     else:
         raise ConfigError(
             f"{field}: {config.name!r} is not a built-in reward ({', '.join(BUILTIN)}); give `function` or `url`"
         )
-    return Reward(config.name, func, weight=config.weight, timeout_s=config.timeout_s)
+    return Reward(config.name, func, weight=config.weight, timeout_s=config.timeout_s, process=config.process)
 
 
-def make_rewards(scoring: ScoringConfig, default: str, given: dict[str, RewardFunc] | None = None) -> list[Reward]:
-    """The configured rewards; without any, `default` (run.reward) and the functions `given` in Python."""
+def make_rewards(
+    scoring: ScoringConfig, default: str, given: dict[str, RewardFunc] | None = None, *, env: bool = False
+) -> list[Reward]:
+    """The configured rewards and the functions `given` in Python; without any, `default`
+    (run.reward), unless an environment (`env`) gives the rewards."""
     given = dict(given or {})
     rewards = [make_reward(c, i, given) for i, c in enumerate(scoring.rewards)]
     named = {r.name for r in rewards}
     rewards += [Reward(name, func) for name, func in given.items() if name not in named]
+    if env:
+        return rewards
     return rewards or [Reward(default, BUILTIN[default], inline=True)]
 
 
@@ -154,13 +181,19 @@ class Scorer:
     """Scores whole groups with every reward, concurrently with generation."""
 
     def __init__(self, rewards: list[Reward], *, max_concurrency: int = 16) -> None:
-        if not rewards:
-            raise ValueError("at least one reward is needed")
         self.rewards = rewards
         self._slots = asyncio.Semaphore(max_concurrency)
         self._threads = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollflow-reward")
 
-    async def score(self, prompt: Prompt, completions: list[str], completion_ids: list[list[int]]) -> list[Scored]:
+    async def score(
+        self,
+        prompt: Prompt,
+        completions: list[str],
+        completion_ids: list[list[int]],
+        prior: list[Scored] | None = None,
+    ) -> list[Scored]:
+        """Every reward of every completion. `prior`: what each sample earned already (an
+        environment's rewards as part `env`, or the reason it failed), added to the total."""
         n = len(completions)
         columns: dict[str, list[Any]] = {key: [value] * n for key, value in prompt.metadata.items()}
         columns |= {
@@ -171,24 +204,40 @@ class Scorer:
         }
         prompts = [_prompt_text(prompt)] * n
         async with self._slots:
-            if len(self.rewards) == 1:  # the common case, without gather's tasks
+            if not self.rewards:
+                results = []
+            elif len(self.rewards) == 1:  # the common case, without gather's tasks
                 results = [await self._call(self.rewards[0], prompts, completions, columns)]
             else:
                 results = await asyncio.gather(*(self._call(r, prompts, completions, columns) for r in self.rewards))
         scored = []
         for i in range(n):
-            parts: dict[str, float] = {}
-            reason = None
-            total = 0.0
+            before = prior[i] if prior is not None else Scored(None)
+            parts: dict[str, float] = dict(before.parts)
+            steps = list(before.steps)
+            reason = before.reason
+            total = before.reward or 0.0
             for reward, (values, error) in zip(self.rewards, results, strict=True):
-                value, why = (None, error) if error else _check(values[i])
+                pairs: list[tuple[int, float]] = []
+                why: str | None
+                value: float | None
+                if error:
+                    value, why = None, error
+                elif reward.process:
+                    pairs, why = _check_steps(values[i], len(completion_ids[i]))
+                    value = sum(r for _, r in pairs)
+                else:
+                    value, why = _check(values[i])
                 if why is not None:
                     reason = reason or f"reward {reward.name}: {why}"
                     continue
                 assert value is not None
                 parts[reward.name] = value
                 total += reward.weight * value
-            scored.append(Scored(None, reason, parts) if reason else Scored(total, None, parts))
+                steps += [(end, reward.weight * r) for end, r in pairs]
+            if reason is None and not parts:
+                reason = NO_REWARD
+            scored.append(Scored(None, reason, parts) if reason else Scored(total, None, parts, steps))
         return scored
 
     async def _call(
@@ -229,6 +278,27 @@ def _check(value: Any) -> tuple[float | None, str | None]:
     if not math.isfinite(value):
         return None, f"returned {value}"
     return float(value), None
+
+
+def _check_steps(value: Any, length: int) -> tuple[list[tuple[int, float]], str | None]:
+    """A process reward's value for one completion: [token_index, reward] pairs."""
+    if value is None:
+        return [], "returned None"
+    if not isinstance(value, (list, tuple)):
+        return [], f"returned {type(value).__name__}, expected a list of [token_index, reward] pairs"
+    pairs = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            return [], f"returned {item!r}, expected a [token_index, reward] pair"
+        end, raw = item
+        if isinstance(end, bool) or not isinstance(end, int) or not 0 <= end < length:
+            return [], f"returned step end {end!r}, expected a token index in [0, {length})"
+        reward, why = _check(raw)
+        if why is not None:
+            return [], f"step at token {end} {why}"
+        assert reward is not None
+        pairs.append((end, reward))
+    return pairs, None
 
 
 def make_scorer(name: RewardName) -> Callable[[Prompt, str], tuple[float | None, str | None]]:

@@ -1,0 +1,257 @@
+"""Multi-turn episodes: the model takes a turn, an environment answers, until it says done.
+
+An `Environment` is made fresh for every episode (its state is the episode's). `reset(prompt)`
+gives the opening messages; `step(turn)` gets the model's turn and returns what the environment
+says next (a tool result, a user reply), that turn's reward and whether the episode is over.
+
+`run_episode` keeps the episode as one token sequence, token-in/token-out: the model's tokens are
+appended exactly as sampled (never re-tokenised), with their behaviour log-probs and per-token
+versions; what the environment says is rendered with the chat template and tokenised on its own
+(`ChatFormat.extend`), appended with loss mask 0. Each model turn is one generation call (the
+caller's `generate`, which streams it like any sample: a weight update during the turn follows the
+partial-rollout mode, and a turn starts under whatever weights the engine has by then), so an
+episode interrupted by an update resumes at its turn boundary with every earlier turn kept.
+
+Environment failures are the episode's, not the run's: a `step` that raises or runs past
+`step_timeout_s` ends the episode as unscorable with the reason. Built-in environments:
+`calculator` (tool calls, `rollflow.envs.calculator`) and `retry` (`rollflow.envs.retry`).
+This module does not score (see `rollflow.scoring`) or generate (the caller's `generate` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from rollflow.errors import ConfigError
+from rollflow.records import Message, Prompt, Sample, SamplingSpec
+
+
+class Turn(msgspec.Struct, frozen=True, kw_only=True):
+    """One model turn as the environment sees it."""
+
+    text: str
+    """The turn's text, special tokens left out."""
+    finish_reason: str
+    """`stop` (the model ended its turn) or `length` (it ran out of tokens)."""
+    index: int
+    """0 for the first turn."""
+
+
+class EnvStep(msgspec.Struct, frozen=True, kw_only=True):
+    """The environment's answer to one turn."""
+
+    messages: list[Message] = []
+    """What comes next in the conversation (role `tool` for tool results, `user` for replies)."""
+    reward: float | None = None
+    """This turn's reward, if it earns one (the episode's reward is the sum)."""
+    done: bool = False
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One episode's environment."""
+
+    async def reset(self, prompt: Prompt) -> list[Message]:
+        """The opening messages (the prompt's own, possibly with a system message added)."""
+        ...
+
+    async def step(self, turn: Turn) -> EnvStep:
+        """React to the model's turn."""
+        ...
+
+
+EnvFactory = Callable[[], Environment]
+"""Makes one environment per episode."""
+
+
+class ChatFormat:
+    """Renders a conversation with the tokenizer's chat template; tokenises what the environment adds.
+
+    The text rendered so far is kept, so each addition is the difference between the template's
+    rendering of the longer conversation and the text already in the sequence: the tokens the
+    model produced are never re-tokenised."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.eos_text = tokenizer.eos_token or ""
+
+    def render(self, messages: list[Message]) -> str:
+        return self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
+        )
+
+    def tokens(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def assistant_content(self, turn_text: str) -> str:
+        """The message content whose rendering reproduces the model's turn (its end marker dropped)."""
+        if self.eos_text and turn_text.endswith(self.eos_text):
+            return turn_text[: -len(self.eos_text)]
+        return turn_text
+
+    def extend(self, rendered: str, messages: list[Message]) -> tuple[str, list[int]]:
+        """(the conversation's new rendering, the tokens it adds after `rendered`)."""
+        full = self.render(messages)
+        if not full.startswith(rendered):
+            raise ValueError(
+                "the chat template does not render a conversation as an extension of its earlier turns "
+                "(it rewrites history), so multi-turn token sequences cannot be built from it"
+            )
+        return full, self.tokens(full[len(rendered) :])
+
+
+GenerateTurn = Callable[[list[int], SamplingSpec, int], Awaitable[Sample]]
+"""(token ids so far, sampling with this turn's budget, turn index) -> the turn as a sample."""
+
+
+class EpisodeLimits(msgspec.Struct, frozen=True, kw_only=True):
+    max_turns: int = 4
+    max_tokens: int = 256
+    """Completion tokens of the whole episode, the model's and the environment's."""
+    max_model_len: int = 1024
+    """Prompt + completion tokens the engine accepts."""
+    step_timeout_s: float = 30.0
+
+
+async def run_episode(
+    env: Environment,
+    prompt: Prompt,
+    sampling: SamplingSpec,
+    generate: GenerateTurn,
+    chat: ChatFormat,
+    *,
+    group_id: str,
+    index: int,
+    limits: EpisodeLimits,
+) -> Sample:
+    """Play one episode; the result is one sample whose completion is every turn after the opening
+    messages, with loss mask 1 on the model's tokens and 0 on the environment's. Environment
+    tokens carry log-prob 0 and the version of the model token before them (so they never make
+    the sample look staler than its oldest model token). An environment failure makes the sample
+    unscorable with the reason."""
+    try:
+        messages = list(await _bounded(env.reset(prompt), limits.step_timeout_s, "reset"))
+    except _EnvFailed as err:
+        await _close(env)
+        return Sample(
+            prompt_id=prompt.id,
+            group_id=group_id,
+            index=index,
+            prompt_token_ids=prompt.token_ids,
+            completion_token_ids=[],
+            logprobs=[],
+            versions=[],
+            loss_mask=[],
+            finish_reason="stop",
+            sampling=sampling,
+            unscorable=str(err),
+        )
+    rendered = chat.render(messages)
+    opening = chat.tokens(rendered)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    mask: list[int] = []
+    steps: list[tuple[int, float]] = []
+    interruptions = 0
+    finish_reason = "length"
+    failure: str | None = None
+    turns = 0
+    while turns < limits.max_turns:
+        room = min(limits.max_tokens - len(tokens), limits.max_model_len - len(opening) - len(tokens))
+        budget = min(sampling.max_tokens, room)
+        if budget <= 0:
+            finish_reason = "length"
+            break
+        spec = msgspec.structs.replace(sampling, max_tokens=budget)
+        turn = await generate(opening + tokens, spec, turns)
+        tokens += turn.completion_token_ids
+        logprobs += turn.logprobs
+        versions += turn.versions
+        mask += [1] * turn.num_tokens
+        interruptions += turn.interruptions
+        finish_reason = turn.finish_reason
+        text = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=False)
+        rendered += text
+        messages.append(Message(role="assistant", content=chat.assistant_content(text)))
+        plain = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=True)
+        try:
+            turn_seen = Turn(text=plain, finish_reason=turn.finish_reason, index=turns)
+            result = await _bounded(env.step(turn_seen), limits.step_timeout_s, "step")
+        except _EnvFailed as err:
+            failure = str(err)
+            break
+        turns += 1
+        if result.reward is not None and tokens:
+            steps.append((len(tokens) - 1, float(result.reward)))
+        if result.done or not result.messages:
+            finish_reason = "stop" if result.done else finish_reason
+            break
+        messages += result.messages
+        rendered, added = chat.extend(rendered, messages)
+        if len(tokens) + len(added) >= min(limits.max_tokens, limits.max_model_len - len(opening)):
+            finish_reason = "length"  # no room left for another turn after what the environment said
+            break
+        last_version = versions[-1] if versions else 0
+        tokens += added
+        logprobs += [0.0] * len(added)
+        versions += [last_version] * len(added)
+        mask += [0] * len(added)
+    await _close(env)
+    return Sample(
+        prompt_id=prompt.id,
+        group_id=group_id,
+        index=index,
+        prompt_token_ids=opening,
+        completion_token_ids=tokens,
+        logprobs=logprobs,
+        versions=versions,
+        loss_mask=mask,
+        finish_reason=finish_reason,
+        sampling=sampling,
+        interruptions=interruptions,
+        unscorable=failure,
+        process_rewards=steps,
+        turns=max(turns, 1),
+    )
+
+
+class _EnvFailed(Exception):
+    """The environment raised or timed out; the episode ends unscorable."""
+
+
+async def _bounded(call: Awaitable[Any], timeout_s: float, what: str) -> Any:
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except TimeoutError:
+        raise _EnvFailed(f"environment: {what} timed out after {timeout_s:g} s") from None
+    except Exception as err:  # the environment's bug ends its episode, not the run
+        raise _EnvFailed(f"environment: {what} raised {type(err).__name__}: {err}") from err
+
+
+async def _close(env: Environment) -> None:
+    close = getattr(env, "aclose", None)
+    if close is not None:
+        await close()
+
+
+def load_environment(name: str, *, tool_timeout_s: float = 5.0) -> EnvFactory:
+    """The factory `env.name` names: `calculator`, `retry`, or `module:attribute` (a class or a
+    function of no arguments returning an `Environment`)."""
+    if name == "calculator":
+        from rollflow.envs.calculator import CalculatorEnv
+
+        return lambda: CalculatorEnv(tool_timeout_s=tool_timeout_s)
+    if name == "retry":
+        from rollflow.envs.retry import RetryEnv
+
+        return RetryEnv
+    if ":" not in name:
+        raise ConfigError(f"env.name: expected `calculator`, `retry` or 'module:attribute', got {name!r}")
+    from rollflow.scoring import load_function
+
+    return load_function(name, "env.name")

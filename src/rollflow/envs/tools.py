@@ -1,0 +1,68 @@
+"""Tool calls: parsed from the model's text, run with a timeout, answered with text.
+
+The call format is the one Hermes- and Qwen-style chat templates use:
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "12 * 7"}}</tool_call>
+
+A tool is a sync or async callable taking the call's arguments as keywords and returning text.
+Sync tools run on a worker thread so a slow one never blocks the event loop. Whatever goes wrong
+(an unknown tool, bad arguments, an exception, a timeout) becomes an error text the model reads as
+the tool's result: a broken tool ends the turn, not the run. A sync tool that hangs cannot be
+killed; its thread is left behind when the timeout answers for it (use async tools for I/O).
+This module does not know about episodes or rewards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+Tool = Callable[..., Any]
+"""A tool: keyword arguments in, text (or anything `str` turns into text) out; sync or async."""
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    name: str
+    arguments: dict[str, Any]
+
+
+def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
+    """The tool calls in a model turn, and an error text when a call is malformed."""
+    calls: list[ToolCall] = []
+    for body in _CALL.findall(text):
+        try:
+            data = json.loads(body)
+        except json.JSONDecodeError as err:
+            return calls, f"error: the tool call is not valid JSON ({err.msg} at character {err.pos})"
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            return calls, 'error: a tool call needs {"name": ..., "arguments": {...}}'
+        arguments = data.get("arguments", {})
+        if not isinstance(arguments, dict):
+            return calls, "error: a tool call's arguments must be a JSON object"
+        calls.append(ToolCall(data["name"], arguments))
+    return calls, None
+
+
+async def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float) -> str:
+    """Run one call; its result, or an error text that says what went wrong."""
+    tool = tools.get(call.name)
+    if tool is None:
+        return f"error: unknown tool {call.name!r} (tools: {', '.join(sorted(tools))})"
+    try:
+        if inspect.iscoroutinefunction(tool):
+            result = await asyncio.wait_for(tool(**call.arguments), timeout_s)
+        else:
+            result = await asyncio.wait_for(asyncio.to_thread(tool, **call.arguments), timeout_s)
+    except TimeoutError:
+        return f"error: tool {call.name} timed out after {timeout_s:g} s"
+    except Exception as err:  # a tool's failure is the model's observation, never the run's
+        return f"error: tool {call.name} raised {type(err).__name__}: {err}"
+    return str(result)
