@@ -7,6 +7,7 @@ every token records the policy version that produced it. This module is the publ
 from rollflow.config import Config, load_config
 from rollflow.controller import Controller, RunResult, train
 from rollflow.engine import Engine, EngineOutput
+from rollflow.envs import Environment, EnvStep, Turn
 from rollflow.errors import (
     CheckpointError,
     ConfigError,
@@ -38,6 +39,8 @@ __all__ = [
     "EngineDeadError",
     "EngineError",
     "EngineOutput",
+    "EnvStep",
+    "Environment",
     "Group",
     "Message",
     "ModelNotFoundError",
@@ -49,6 +52,7 @@ __all__ = [
     "Sampler",
     "SamplingSpec",
     "TrainingError",
+    "Turn",
     "UserInputError",
     "__version__",
     "audit_ledger",

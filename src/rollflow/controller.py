@@ -569,6 +569,8 @@ class Controller:
         """A multi-turn episode. Its progress is saved only once it is done: a checkpoint taken
         mid-episode restarts it from its prompt (an environment's state cannot be saved)."""
         assert self.env is not None
+        if progress.saved.done is not None:  # finished before the checkpoint this run resumed from
+            return progress.saved.done
 
         async def turn(token_ids: list[int], spec: SamplingSpec, n: int) -> Sample:
             turn_prompt = Prompt(id=prompt.id, token_ids=token_ids)

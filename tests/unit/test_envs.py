@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -95,7 +96,8 @@ async def test_tool_episode_layout_masks_versions_and_reward(chat):
     spans = model_spans(sample)
     assert [sample.completion_token_ids[a:b] for a, b in spans] == [turn0, turn1]
     env_tokens = sample.completion_token_ids[spans[0][1] : spans[1][0]]
-    assert tok.decode(env_tokens, skip_special_tokens=False) == "\n<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n"
+    reply = "\n<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(env_tokens, skip_special_tokens=False) == reply
     # The whole sequence is the chat template's rendering of the conversation.
     conversation = [
         {"role": "system", "content": env_system()},
@@ -255,3 +257,58 @@ async def test_controller_trains_episodes_with_environment_tokens_masked(tmp_pat
                 expected += chat.tokens(("<|im_end|>" if cut else "") + reply)
             assert len(runs) >= 2 and masked == expected
             assert s.token_advantages is not None and len(s.token_advantages) == len(completion)
+
+
+@pytest.mark.timeout(120)
+async def test_stop_and_resume_restarts_unfinished_episodes_and_keeps_finished_ones(tmp_path, chat, monkeypatch):
+    from test_checkpoint import record_groups
+
+    from rollflow.checkpoint import latest_checkpoint, read_state
+    from rollflow.config import load_config
+    from rollflow.controller import Controller
+    from rollflow.engine.fake import FakeEngine
+    from rollflow.ledger import summarize
+    from rollflow.trainer import FakeTrainer
+    from rollflow.weight_sync import NullTransport
+
+    created = itertools.count()
+    hanging = [True]
+
+    class SlowRetry(RetryEnv):
+        """After the first two steps' episodes (8 groups of 4), every other episode hangs: the
+        groups in flight at the stop have finished episodes and unfinished ones."""
+
+        def __init__(self):
+            super().__init__()
+            n = next(created)
+            self.hangs = hanging[0] and n >= 32 and n % 2 == 1
+
+        async def step(self, turn):
+            if self.hangs:
+                await asyncio.sleep(60)
+            return await super().step(turn)
+
+    def make(**kwargs):
+        config = load_config(
+            preset="tiny",
+            overrides=["env.name=retry", "env.max_turns=3", "env.max_tokens=80", "sampling.max_tokens=8",
+                       "run.max_steps=5", "run.max_lag=1", "observe.sinks=[]"],
+        )
+        return Controller(config, tmp_path, engine=FakeEngine(token_delay=0.002), trainer=FakeTrainer(step_s=0.3),
+                          transport=NullTransport(), tokenizer=chat.tokenizer, env=SlowRetry, **kwargs)
+
+    first = make(on_step=lambda row: row["step"] == 1 and first.request_stop())
+    assert (await asyncio.wait_for(first.run(), 60)).stopped
+    state = read_state(latest_checkpoint(tmp_path))
+    saved = [s for group in state.in_flight for s in group.samples]
+    finished = {(s.done.prompt_id, s.done.index): s.done for s in saved if s.done is not None}
+    assert saved and all(s.tokens == [] for s in saved)  # an unfinished episode is saved as not started
+    assert finished, "the checkpoint should hold finished episodes of unfinished groups"
+    trained = record_groups(monkeypatch)
+    hanging[0] = False
+    resumed = await asyncio.wait_for(make(resume=True).run(), 60)
+    assert resumed.steps == 3 and summarize(tmp_path).ok
+    kept = [s for g in trained for s in g.samples if (s.prompt_id, s.index) in finished]
+    assert len(kept) == len(finished)
+    for sample in kept:
+        assert sample.completion_token_ids == finished[(sample.prompt_id, sample.index)].completion_token_ids

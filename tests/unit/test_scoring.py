@@ -167,5 +167,5 @@ async def test_an_environment_reward_adds_to_the_functions_and_its_failure_wins(
     assert scored[0] == Scored(1.5, None, {"env": 1.0, "digits": 1.0}, [(0, 1.0)])
     assert scored[1].reward is None and scored[1].reason == "environment: step raised X"
     assert scored[2] == Scored(0.0, None, {"digits": 0.0})
-    alone = await Scorer([]).score(PROMPT, ["5", "6"], [[1], [1]], prior[:1] + [Scored(None)])
+    alone = await Scorer([]).score(PROMPT, ["5", "6"], [[1], [1]], [*prior[:1], Scored(None)])
     assert alone[0].reward == 1.0 and alone[1].reason == NO_REWARD
