@@ -202,34 +202,11 @@ class Controller:
         self.metrics_file = JsonlSink(self.output_dir / "metrics.jsonl")
         self.sinks.insert(0, self.metrics_file)
         self.ledger = JsonlSink(self.output_dir / LEDGER)
-        given = self._given
-        needs_model = any(given[k] is None for k in ("tokenizer", "trainer", "engine"))
-        model_path = resolve_model(cfg.model.path) if needs_model else Path(cfg.model.path)
-        self.tokenizer = given["tokenizer"] or load_tokenizer(model_path)
-        encode = chat_encoder(self.tokenizer)
-        self.chat = ChatFormat(self.tokenizer)
-        self.sampler = Sampler(cfg.data, encode)
-        if given["trainer"] is None:
-            import torch
-
-            torch.set_num_threads(cfg.run.trainer_threads)
-        self.trainer = given["trainer"] or await asyncio.to_thread(Trainer, model_path, cfg.trainer, cfg.loss)
-        if cfg.scoring.teacher:
-            from rollflow.scoring.distill import Teacher
-
-            teacher_path = resolve_model(cfg.scoring.teacher)
-            self.teacher = await asyncio.to_thread(Teacher, teacher_path, cfg.trainer)
-        engine_config = cfg.engine
-        if cfg.trainer.lora.enabled and not engine_config.max_loras:
-            # Every adapter still used by an in-flight request stays loaded: max_lag + 2 of them.
-            engine_config = msgspec.structs.replace(engine_config, max_loras=cfg.run.max_lag + 2)
-        if given["engine"] is not None:
-            self.engine = given["engine"]
-        else:
-            if self._engine_factory is None:
-                self._engine_factory = lambda: VLLMEngine(model_path, engine_config, dtype=cfg.model.dtype)
-            self.engine = self._engine_factory()
-        self.transport = given["transport"] or make_transport(cfg.run.weight_transport)
+        try:
+            await self._build()
+        except BaseException:
+            self._close_sinks()
+            raise
         metrics: list[dict[str, Any]] = []
         eval_before = eval_after = None
         try:
@@ -277,9 +254,7 @@ class Controller:
             await self.scorer.aclose()
             await self.transport.aclose()
             await self.engine.aclose()
-            for sink in self.sinks:
-                sink.close()
-            self.ledger.close()
+            self._close_sinks()
             if cfg.observe.trace:
                 self.trace.write(self.output_dir / "trace.json")
         return RunResult(
@@ -295,6 +270,44 @@ class Controller:
             stopped=self._stop.is_set(),
             checkpoint=str(self._last_checkpoint) if self._last_checkpoint else None,
         )
+
+    async def _build(self) -> None:
+        """The tokenizer, sampler, trainer, teacher, engine and transport: given ones or built
+        from the config."""
+        cfg = self.config
+        given = self._given
+        needs_model = any(given[k] is None for k in ("tokenizer", "trainer", "engine"))
+        model_path = resolve_model(cfg.model.path) if needs_model else Path(cfg.model.path)
+        self.tokenizer = given["tokenizer"] or load_tokenizer(model_path)
+        encode = chat_encoder(self.tokenizer)
+        self.chat = ChatFormat(self.tokenizer) if self.env is not None else None
+        self.sampler = Sampler(cfg.data, encode)
+        if given["trainer"] is None:
+            import torch
+
+            torch.set_num_threads(cfg.run.trainer_threads)
+        self.trainer = given["trainer"] or await asyncio.to_thread(Trainer, model_path, cfg.trainer, cfg.loss)
+        if cfg.scoring.teacher:
+            from rollflow.scoring.distill import Teacher
+
+            teacher_path = resolve_model(cfg.scoring.teacher)
+            self.teacher = await asyncio.to_thread(Teacher, teacher_path, cfg.trainer)
+        engine_config = cfg.engine
+        if cfg.trainer.lora.enabled and not engine_config.max_loras:
+            # Every adapter still used by an in-flight request stays loaded: max_lag + 2 of them.
+            engine_config = msgspec.structs.replace(engine_config, max_loras=cfg.run.max_lag + 2)
+        if given["engine"] is not None:
+            self.engine = given["engine"]
+        else:
+            if self._engine_factory is None:
+                self._engine_factory = lambda: VLLMEngine(model_path, engine_config, dtype=cfg.model.dtype)
+            self.engine = self._engine_factory()
+        self.transport = given["transport"] or make_transport(cfg.run.weight_transport)
+
+    def _close_sinks(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.ledger.close()
 
     def _prepare_output_dir(self) -> Path | None:
         """Check the output directory for a new or a resumed run; returns the checkpoint to
@@ -568,7 +581,7 @@ class Controller:
     async def _episode(self, prompt: Prompt, group_id: str, index: int, progress: Progress) -> Sample:
         """A multi-turn episode. Its progress is saved only once it is done: a checkpoint taken
         mid-episode restarts it from its prompt (an environment's state cannot be saved)."""
-        assert self.env is not None
+        assert self.env is not None and self.chat is not None
         if progress.saved.done is not None:  # finished before the checkpoint this run resumed from
             return progress.saved.done
 

@@ -169,3 +169,45 @@ async def test_an_environment_reward_adds_to_the_functions_and_its_failure_wins(
     assert scored[2] == Scored(0.0, None, {"digits": 0.0})
     alone = await Scorer([]).score(PROMPT, ["5", "6"], [[1], [1]], [*prior[:1], Scored(None)])
     assert alone[0].reward == 1.0 and alone[1].reason == NO_REWARD
+
+
+@pytest.mark.timeout(60)
+async def test_a_slow_reward_runs_beside_generation_within_its_concurrency_bound(tmp_path):
+    from test_controller import FakeTokenizer
+
+    from rollflow.config import load_config
+    from rollflow.controller import Controller
+    from rollflow.engine.fake import FakeEngine
+    from rollflow.trainer import FakeTrainer
+    from rollflow.weight_sync import NullTransport
+
+    # Completions of 2 to 16 tokens: groups finish generating at different times.
+    engine = FakeEngine(token_delay=0.01, length_fn=lambda ids: 2 + sum(ids) % 15)
+    running, most, live_during = 0, 0, []
+
+    lock = threading.Lock()
+
+    def slow_judge(prompts, completions, **kwargs):  # sync: runs on the scoring threads
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        before = engine.tokens_generated
+        time.sleep(0.1)
+        live_during.append(engine.tokens_generated - before)  # tokens decoded while this call ran
+        with lock:
+            running -= 1
+        return [1.0] * len(completions)
+
+    config = load_config(
+        preset="tiny",
+        overrides=["run.max_steps=3", "run.max_lag=2", "scoring.max_concurrency=2", "observe.sinks=[]"],
+    )
+    controller = Controller(
+        config, tmp_path, engine=engine, trainer=FakeTrainer(), transport=NullTransport(), tokenizer=FakeTokenizer(),
+        reward_funcs={"judge": slow_judge},
+    )
+    result = await asyncio.wait_for(controller.run(), 50)
+    assert result.steps == 3
+    assert most == 2  # the bound is reached and never passed
+    assert max(live_during) > 0  # the engine kept generating while a reward was computed
