@@ -93,11 +93,38 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sweep", metavar="NAME=V1,V2,...", help="vary one parameter, e.g. inference-gpus=1,2,4,8")
     sim.add_argument("--plot", type=Path, metavar="PNG", help="with --sweep: chart steps/hour and idle time")
     sim.add_argument("--output-dir", type=Path, help="keep the simulated run's files (metrics, ledger, trace)")
+    serve = commands.add_parser(
+        "serve-engine", help="run a vLLM server that training runs can generate with (engine.url)"
+    )
+    _add_config_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--print-command", action="store_true", help="print the vLLM command line and exit")
     gen = commands.add_parser("generate", help="sample completions for task prompts and score them")
     _add_config_args(gen)
     gen.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
     gen.add_argument("--greedy", action="store_true", help="greedy decoding, one sample per prompt")
     return parser
+
+
+def _serve_engine(args: argparse.Namespace) -> int:
+    """Replace this process with a vLLM server for the configured model and engine settings."""
+    import shlex
+
+    from rollflow.config import load_config
+    from rollflow.engine.remote import serve_command, serve_environment
+    from rollflow.models import resolve_model
+
+    config = load_config(args.config, preset=args.preset, overrides=args.overrides)
+    command = serve_command(
+        resolve_model(config.model.path), config.engine, host=args.host, port=args.port, dtype=config.model.dtype
+    )
+    if args.print_command:
+        print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))
+        return 0
+    print(f"serving {config.model.path} at http://{args.host}:{args.port} (engine.url)", file=sys.stderr)
+    sys.stderr.flush()
+    os.execve(command[0], command, serve_environment(config.engine))
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -244,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             from rollflow.sim.cli import run_simulate
 
             return run_simulate(args)
+        if args.command == "serve-engine":
+            return _serve_engine(args)
         _use_uvloop()
         if args.command == "generate":
             return asyncio.run(_generate(args))

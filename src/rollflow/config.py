@@ -37,6 +37,12 @@ class ModelConfig(_Section, frozen=True):
 
 
 class EngineConfig(_Section, frozen=True):
+    urls: list[str] = []
+    """Engines to generate with: running vLLM servers (`python -m rollflow serve-engine`), e.g.
+    `["http://10.0.0.2:8000", "http://10.0.0.3:8000"]`, and/or `"local"` for an in-process engine.
+    Several make a pool (group affinity, least-loaded placement, one weight sync for all, failover).
+    Empty: one in-process engine. Servers must serve `model.path`."""
+
     kv_cache_bytes: PosInt = 256 * 1024 * 1024
     """Bytes reserved for the vLLM KV cache (required on CPU; 128-256 MiB suits small models)."""
 
@@ -250,6 +256,10 @@ class RunConfig(_Section, frozen=True):
     max_lag: NonNegInt = 1
     """Staleness bound: no token in a batch lags more than this many versions behind the policy
     being trained (0 = synchronous on-policy training)."""
+
+    weight_sync_host: str = "127.0.0.1"
+    """This process's address that engines connect to for the `gloo` / `nccl` weight transport
+    (an address the engine's machine can reach when it runs elsewhere)."""
 
     weight_transport: Literal["shm", "gloo", "checkpoint", "nccl"] = "shm"
     """How trainer weights reach the engine after every step (`shm`: same host, shared memory;

@@ -45,10 +45,12 @@ from rollflow.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from rollflow.config import Config, dump_config
+from rollflow.config import Config, EngineConfig, dump_config
+from rollflow.engine.pool import EnginePool
+from rollflow.engine.remote import RemoteEngine
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.envs import ChatFormat, EnvFactory, EpisodeLimits, load_environment, run_episode
-from rollflow.errors import EngineDeadError, EngineError, TrainingError, UserInputError
+from rollflow.errors import ConfigError, EngineDeadError, EngineError, TrainingError, UserInputError
 from rollflow.evaluate import EvalReport, evaluate, sampling_spec
 from rollflow.handoff import Load, Save, Step, Stop, Sync, broadcast, build_batch
 from rollflow.ledger import LEDGER, LedgerEntry, truncate
@@ -300,9 +302,9 @@ class Controller:
             self.engine = given["engine"]
         else:
             if self._engine_factory is None:
-                self._engine_factory = lambda: VLLMEngine(model_path, engine_config, dtype=cfg.model.dtype)
+                self._engine_factory = lambda: make_engine(model_path, engine_config, cfg)
             self.engine = self._engine_factory()
-        self.transport = given["transport"] or make_transport(cfg.run.weight_transport)
+        self.transport = given["transport"] or make_transport(cfg.run.weight_transport, host=cfg.run.weight_sync_host)
 
     def _close_sinks(self) -> None:
         for sink in self.sinks:
@@ -896,6 +898,25 @@ class Controller:
         for prompt_id in list(self._inflight):
             self._drop(prompt_id, "run ended: in flight")
         self._inflight.clear()
+
+
+def make_engine(model_path: Path, engine_config: EngineConfig, cfg: Config) -> Any:
+    """The engine `engine.urls` describes: one in-process engine, one server, or a pool."""
+    urls = engine_config.urls or ["local"]
+    if len(urls) > 1 and cfg.run.weight_transport in ("gloo", "nccl"):
+        raise ConfigError(
+            f"engine.urls: a pool of {len(urls)} engines needs run.weight_transport = shm (same host) or "
+            f"checkpoint (a shared filesystem), not {cfg.run.weight_transport}"
+        )
+    if cfg.trainer.lora.enabled and urls != ["local"]:
+        raise ConfigError("engine.urls: adapter-only (LoRA) sync needs one in-process engine")
+    members = [
+        VLLMEngine(model_path, engine_config, dtype=cfg.model.dtype)
+        if url == "local"
+        else RemoteEngine(url, engine_config)
+        for url in urls
+    ]
+    return members[0] if len(members) == 1 else EnginePool(members)
 
 
 def _env_score(sample: Sample) -> Scored:

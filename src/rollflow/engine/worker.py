@@ -80,12 +80,15 @@ class WorkerExtension:
         self._rollflow_reload(weights())
         return len(files)
 
-    def rollflow_shm_load(self, name: str, plan: bytes) -> int:
-        """Load packed buckets from a shared-memory segment, as views into it."""
+    def rollflow_shm_load(self, name: str, plan: bytes | str) -> int:
+        """Load packed buckets from a shared-memory segment, as views into it. `plan` arrives
+        as base64 text from a remote client (`/collective_rpc` carries JSON)."""
+        import base64
+
         from rollflow.weight_sync.buckets import BucketPlan
         from rollflow.weight_sync.shm import read_buckets
 
-        decoded = BucketPlan.decode(plan)
+        decoded = BucketPlan.decode(base64.b64decode(plan) if isinstance(plan, str) else plan)
         segment, views = read_buckets(name, decoded)
         try:
             self._rollflow_reload(views)

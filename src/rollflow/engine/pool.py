@@ -1,0 +1,237 @@
+"""Several engines behind one `Engine`: placement, one weight sync for all, failover.
+
+- **Placement**: a request goes to the engine its group already uses (all G samples of a prompt,
+  and every turn of an episode, share the prompt's prefix-cache entries there); a new group goes to
+  the engine with the fewest outstanding tokens (prompt + budget of its live requests).
+- **Weight sync**: `update_weights_with` runs every engine's own critical section at once; the
+  transport's load runs once, after every engine has paused, and reaches all of them through
+  `rpc` (which fans out). The new version is the same on every engine, so per-token versions mean
+  the same weights wherever a token was made. The deadline applies to the whole set.
+- **Failover**: an engine that dies is taken out. Its requests end as `preempted` (with the tokens
+  the dead engine could still report, and their versions; a remote engine reports none, so its
+  request restarts from the sample's earlier prefix) and the rollout resubmits them to the engines
+  left. Only when none is left is the death an `EngineDeadError`.
+
+Members are `VLLMEngine`s and `RemoteEngine`s, mixed as configured. This module does not start
+servers or decide when to sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from rollflow.engine import EngineOutput, PartialMode, Weights
+from rollflow.errors import EngineDeadError, WeightSyncError
+from rollflow.records import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+AFFINITY_ENTRIES = 65536
+"""Groups whose engine the pool remembers (the oldest are forgotten first)."""
+
+
+def group_key(request_id: str) -> str:
+    """The group part of a rollout's request id (`g12/3#1`, `g12/t2/3` -> `g12`)."""
+    return request_id.split("/", 1)[0]
+
+
+class EnginePool:
+    """One `Engine` over several."""
+
+    def __init__(self, members: list[Any]) -> None:
+        if not members:
+            raise ValueError("an engine pool needs at least one engine")
+        self.members = list(members)
+        self.taken_out: list[tuple[Any, str]] = []
+        """Engines that died, with why."""
+        self._version = 0
+        self._owner: dict[str, Any] = {}
+        """Live request id -> its engine."""
+        self._outstanding: dict[int, int] = {}
+        """id(engine) -> outstanding tokens of its live requests."""
+        self._affinity: OrderedDict[str, Any] = OrderedDict()
+        self._lock = asyncio.Lock()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_live(self) -> int:
+        return len(self._owner)
+
+    async def start(self) -> EnginePool:
+        await asyncio.gather(*(member.start() for member in self.members))
+        return self
+
+    async def aclose(self) -> None:
+        for member in self.members:
+            with contextlib.suppress(Exception):
+                await member.aclose()
+
+    def _place(self, request_id: str) -> Any:
+        key = group_key(request_id)
+        member = self._affinity.get(key)
+        if member is None or member not in self.members:
+            member = min(self.members, key=lambda m: self._outstanding.get(id(m), 0))
+            self._affinity[key] = member
+            if len(self._affinity) > AFFINITY_ENTRIES:
+                self._affinity.popitem(last=False)
+        self._affinity.move_to_end(key)
+        return member
+
+    def _take_out(self, member: Any, err: BaseException) -> None:
+        if member in self.members:
+            self.members.remove(member)
+            self.taken_out.append((member, str(err)))
+            log.error("engine taken out of the pool (%d left): %s", len(self.members), err)
+        if not self.members:
+            raise EngineDeadError(f"every engine of the pool is gone; the last: {err}")
+
+    async def stream(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *, deltas: bool = True
+    ) -> AsyncGenerator[EngineOutput, None]:
+        if not self.members:
+            raise EngineDeadError("every engine of the pool is gone")
+        member = self._place(request_id)
+        cost = len(prompt_token_ids) + sampling.max_tokens
+        self._owner[request_id] = member
+        self._outstanding[id(member)] = self._outstanding.get(id(member), 0) + cost
+        yielded = 0
+        try:
+            async for out in member.stream(request_id, prompt_token_ids, sampling, deltas=deltas):
+                yielded += len(out.token_ids)
+                yield out
+        except EngineDeadError as err:
+            self._take_out(member, err)  # raises when it was the last one
+            # The rollout resubmits a preempted request from its prefix, to the engines left. It
+            # keeps the tokens the dead engine reported, with their versions; an engine that
+            # cannot report them (a remote one) loses the request's tokens, never mislabels them.
+            lost = err.partial if isinstance(err.partial, EngineOutput) else None
+            if lost is not None and lost.versions is not None and len(lost.versions) == len(lost.token_ids):
+                rest = slice(yielded, None)
+                yield EngineOutput(lost.token_ids[rest], lost.logprobs[rest], "preempted", lost.versions)
+            elif yielded == 0:
+                yield EngineOutput([], [], "preempted", [])
+            else:
+                raise  # tokens already passed on cannot be labelled
+        finally:
+            self._owner.pop(request_id, None)
+            self._outstanding[id(member)] -= cost
+
+    def partial(self, request_id: str) -> EngineOutput | None:
+        member = self._owner.get(request_id)
+        return member.partial(request_id) if member is not None else None
+
+    async def abort(self, request_id: str) -> None:
+        member = self._owner.get(request_id)
+        if member is not None:
+            await member.abort(request_id)
+
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call a worker-extension method on every worker of every engine (engines that die
+        meanwhile are taken out)."""
+        members = list(self.members)
+        outcomes = await asyncio.gather(*(m.rpc(method, *args) for m in members), return_exceptions=True)
+        results: list[Any] = []
+        for member, outcome in zip(members, outcomes, strict=True):
+            if isinstance(outcome, EngineDeadError):
+                self._take_out(member, outcome)  # raises when none is left
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                results += outcome
+        return results
+
+    async def check_health(self) -> None:
+        for member in list(self.members):
+            try:
+                await member.check_health()
+            except EngineDeadError as err:
+                self._take_out(member, err)
+
+    async def update_weights(
+        self, weights: Weights, *, partial: PartialMode = "keep", version: int | None = None
+    ) -> int:
+        items = list(weights.items() if hasattr(weights, "items") else weights)  # type: ignore[union-attr]
+        new_version = self._version + 1 if version is None else version
+        await self._each(lambda m: m.update_weights(items, partial=partial, version=new_version))
+        self._version = new_version
+        return new_version
+
+    async def update_weights_with(
+        self,
+        load: Callable[[], Awaitable[object]],
+        *,
+        partial: PartialMode = "keep",
+        deadline_s: float | None = None,
+        version: int | None = None,
+    ) -> int:
+        """Every engine's critical section at once, with one `load()` for all of them, run when
+        every engine has paused; every engine gets the same new version."""
+        async with self._lock:
+            new_version = self._version + 1 if version is None else version
+            waiting = _Rendezvous(len(self.members), load)
+            await self._each(
+                lambda m: m.update_weights_with(
+                    waiting.arrive, partial=partial, deadline_s=deadline_s, version=new_version
+                ),
+                on_dead=waiting.leave,
+            )
+            self._version = new_version
+            return new_version
+
+    async def _each(self, call: Callable[[Any], Awaitable[object]], on_dead: Callable[[], None] | None = None) -> None:
+        """`call` on every engine at once; engines that die are taken out, other errors raised."""
+        members = list(self.members)
+
+        async def one(member: Any) -> None:
+            try:
+                await call(member)
+            except EngineDeadError as err:
+                self._take_out(member, err)  # at once: later fan-outs skip it; raises when none is left
+                if on_dead is not None:
+                    on_dead()
+
+        outcomes = await asyncio.gather(*(one(m) for m in members), return_exceptions=True)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            raise errors[0]
+
+
+class _Rendezvous:
+    """Runs `load` once, when every engine of the set has arrived (each paused); an engine that
+    dies before arriving stops being waited for."""
+
+    def __init__(self, expected: int, load: Callable[[], Awaitable[object]]) -> None:
+        self.expected = expected
+        self.arrived = 0
+        self.load = load
+        self.ready = asyncio.Event()
+        self.task: asyncio.Future[object] | None = None
+
+    def _check(self) -> None:
+        if self.arrived >= self.expected and self.task is None:
+            self.task = asyncio.ensure_future(self.load())
+            self.ready.set()
+
+    async def arrive(self) -> None:
+        self.arrived += 1
+        self._check()
+        await self.ready.wait()
+        assert self.task is not None
+        try:
+            await asyncio.shield(self.task)
+        except EngineDeadError:
+            raise
+        except Exception as err:
+            raise WeightSyncError(f"loading weights into the engine pool failed: {err}") from err
+
+    def leave(self) -> None:
+        self.expected -= 1
+        self._check()

@@ -1,0 +1,202 @@
+"""A vLLM server (`serve_command`, as `rollflow serve-engine` runs it) driven over HTTP by
+`RemoteEngine`: the same tokens, log-probs and versions as the in-process engine, weight updates,
+abort, and a training run whose weights reach the server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+
+import pytest
+
+from rollflow.config import EngineConfig, load_config
+from rollflow.controller import Controller
+from rollflow.engine.remote import RemoteEngine, serve_command, serve_environment
+from rollflow.models import tiny_model_path
+from rollflow.records import SamplingSpec
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [1, 735, 202, 276, 261, 264, 277, 281, 34, 2, 202, 1, 871, 202]
+GREEDY = SamplingSpec(temperature=0.0, max_tokens=24, ignore_eos=True)
+CONFIG = EngineConfig(kv_cache_bytes=128 * 1024 * 1024, max_model_len=512, max_num_seqs=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A vLLM server subprocess (in its own process group, so a kill takes its engine too)."""
+
+    def __init__(self) -> None:
+        port = free_port()
+        command = serve_command(tiny_model_path(0), CONFIG, host="127.0.0.1", port=port, dtype="float32")
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen(
+            command,
+            env=serve_environment(CONFIG),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    first = Server()
+    yield first.url
+    first.stop()
+
+
+@pytest.fixture
+async def remote(server, model_a):
+    engine = await RemoteEngine(server, CONFIG).start()
+    yield engine
+    await engine.update_weights(model_a.state_dict())  # leave the server on model A
+    await engine.aclose()
+
+
+@pytest.mark.timeout(300)
+async def test_remote_tokens_logprobs_and_versions_equal_the_in_process_engine(remote, engine):
+    sampled = SamplingSpec(temperature=0.8, top_k=20, max_tokens=24, ignore_eos=True, seed=7)
+    for spec in (GREEDY, sampled):
+        here = await engine.generate(PROMPT, spec, f"local-{spec.temperature}")
+        there = await remote.generate(PROMPT, spec, f"remote-{spec.temperature}")
+        assert there.token_ids == here.token_ids and there.finish_reason == here.finish_reason == "length"
+        assert there.logprobs == pytest.approx(here.logprobs, abs=1e-5)
+        assert there.versions == [remote.version] * len(there.token_ids)
+    # Streamed deltas add up to the same completion.
+    tokens = []
+    async for out in remote.stream("remote-deltas", PROMPT, GREEDY):
+        tokens += out.token_ids
+    assert tokens == (await engine.generate(PROMPT, GREEDY, "local-2")).token_ids
+
+
+@pytest.mark.timeout(300)
+async def test_weight_updates_switch_outputs_and_label_every_token(remote, model_a, model_b):
+    want_a = model_a.greedy(PROMPT, GREEDY.max_tokens)[0]
+    want_b, logp_b = model_b.greedy(PROMPT, GREEDY.max_tokens)
+    assert (await remote.generate(PROMPT, GREEDY, "a")).token_ids == want_a
+    before = remote.version
+    assert await remote.update_weights(model_b.state_dict()) == before + 1
+    out = await remote.generate(PROMPT, GREEDY, "b")
+    assert out.token_ids == want_b and out.versions == [before + 1] * len(want_b)
+    assert out.logprobs == pytest.approx(logp_b, abs=1e-4)
+
+
+@pytest.mark.timeout(300)
+async def test_keep_mode_update_mid_stream_switches_versions_at_the_boundary(remote, model_a, model_b):
+    long = SamplingSpec(temperature=0.0, max_tokens=200, ignore_eos=True)
+    seen: list[int] = []
+    started = asyncio.Event()
+
+    async def consume():
+        async for out in remote.stream("mid", PROMPT, long):
+            seen.extend(out.token_ids)
+            if len(seen) >= 4:
+                started.set()
+            if out.finish_reason is not None:
+                return out
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    version = remote.version
+    await remote.update_weights(model_b.state_dict())
+    final = await task
+    cut = final.versions.index(version + 1)
+    assert final.versions == [version] * cut + [version + 1] * (len(seen) - cut) and cut >= 4
+    # The tokens before the boundary are model A's, those after are what B makes of that prefix.
+    assert seen[:cut] == model_a.greedy(PROMPT, cut)[0]
+    assert seen[cut : cut + 8] == model_b.greedy(PROMPT + seen[:cut], 8)[0]
+
+
+@pytest.mark.timeout(120)
+async def test_abort_and_cancel_end_the_request_on_the_server(remote):
+    long = SamplingSpec(temperature=0.0, max_tokens=400, ignore_eos=True)
+    tokens: list[int] = []
+    reason = None
+    async for out in remote.stream("to-abort", PROMPT, long):
+        tokens += out.token_ids
+        if len(tokens) >= 3 and remote.num_live and "to-abort" not in remote._aborted:
+            await remote.abort("to-abort")
+        reason = out.finish_reason or reason
+    assert reason == "abort" and len(tokens) < long.max_tokens
+    assert remote.num_live == 0
+
+
+@pytest.mark.timeout(600)
+async def test_a_training_run_generates_on_the_server_and_its_weights_reach_it(server, tmp_path, model_a):
+    config = load_config(
+        preset="tiny", overrides=[f'engine.urls=["{server}"]', "run.max_steps=3", "observe.sinks=[]"]
+    )
+    controller = Controller(config, tmp_path)
+    result = await controller.run()
+    assert result.steps == 3 and all(m["tokens"] > 0 for m in result.metrics)
+    async with RemoteEngine(server, CONFIG) as check:
+        out = await check.generate(PROMPT, SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True), "check")
+        assert out.token_ids == greedy_of(controller.trainer.lm.eval(), PROMPT, 12)
+        assert out.token_ids != model_a.greedy(PROMPT, 12)[0]  # the server holds the trained weights
+        await check.update_weights(model_a.state_dict())
+
+
+def greedy_of(lm, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(lm(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.timeout(900)
+async def test_a_pool_of_two_servers_survives_losing_one(server, tmp_path, model_a):
+    from rollflow.ledger import summarize
+
+    second = Server()
+    try:
+        config = load_config(
+            preset="tiny",
+            overrides=[f'engine.urls=["{server}", "{second.url}"]', "run.max_steps=6", "observe.sinks=[]"],
+        )
+
+        def kill_second(row):
+            if row["step"] == 1:
+                second.kill()  # mid-run: requests are streaming on both servers
+
+        controller = Controller(config, tmp_path, on_step=kill_second)
+        result = await controller.run()
+        assert result.steps == 6 and controller.engine_restarts == 0
+        pool = controller.engine
+        assert [m.url for m in pool.members] == [server] and len(pool.taken_out) == 1
+        summary = summarize(tmp_path)
+        assert summary.ok and summary.duplicates == [] and summary.missing == []
+        assert all(m["loss_lag_max"] <= 1 for m in result.metrics)
+        # The survivor holds the trained weights (greedy equals transformers on them).
+        async with RemoteEngine(server, CONFIG) as check:
+            spec = SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True)
+            out = await check.generate(PROMPT, spec, "pool-check")
+            assert out.token_ids == greedy_of(controller.trainer.lm.eval(), PROMPT, 12)
+            await check.update_weights(model_a.state_dict())
+    finally:
+        second.stop()

@@ -1,0 +1,139 @@
+"""The engine pool with fake engines: placement, one weight sync for all, failover."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollflow.engine import EngineOutput
+from rollflow.engine.fake import FakeEngine
+from rollflow.engine.pool import EnginePool, group_key
+from rollflow.errors import EngineDeadError, WeightSyncError
+from rollflow.records import Prompt, SamplingSpec
+from rollflow.rollout import rollout
+
+SPEC = SamplingSpec(max_tokens=12)
+
+
+class Member(FakeEngine):
+    """A fake engine that counts its requests and its loads, and can die."""
+
+    def __init__(self, name: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.name = name
+        self.requests: list[str] = []
+        self.loads = 0
+        self.dead = False
+
+    async def stream(self, request_id, prompt_token_ids, sampling, *, deltas=True):
+        self.requests.append(request_id)
+        async for out in super().stream(request_id, prompt_token_ids, sampling, deltas=deltas):
+            if self.dead:
+                raise EngineDeadError(f"{self.name} died", partial=self.partial(request_id))
+            yield out
+        if self.dead:
+            raise EngineDeadError(f"{self.name} died", partial=None)
+
+    async def _step_wait(self, request_id, context_tokens):
+        await super()._step_wait(request_id, context_tokens)
+        if self.dead:
+            raise EngineDeadError(f"{self.name} died", partial=self.partial(request_id))
+
+    async def rpc(self, method, *args):
+        if self.dead:
+            raise EngineDeadError(f"{self.name} died")
+        self.loads += 1
+        return [method]
+
+    async def check_health(self):
+        if self.dead:
+            raise EngineDeadError(f"{self.name} died")
+
+
+def test_group_key():
+    assert group_key("g12/3") == group_key("g12/3#2") == group_key("g12/t1/3") == "g12"
+
+
+async def test_a_group_stays_on_one_engine_and_new_groups_go_to_the_least_loaded():
+    a, b = Member("a", token_delay=0.001), Member("b", token_delay=0.001)
+    pool = EnginePool([a, b])
+    prompt = Prompt(id="p", token_ids=[1, 2, 3])
+    groups = [
+        [rollout(pool, prompt, SPEC, group_id=f"g{g}", index=i) for i in range(4)] for g in range(4)
+    ]
+    await asyncio.gather(*(s for group in groups for s in group))
+    for g in range(4):
+        owners = {m.name for m in (a, b) for r in m.requests if group_key(r) == f"g{g}"}
+        assert len(owners) == 1  # every sample of the group on one engine
+    assert len(a.requests) == len(b.requests) == 8  # the load is spread
+
+
+async def test_one_weight_sync_loads_once_per_engine_after_all_paused_with_one_version():
+    a, b = Member("a"), Member("b")
+    pool = EnginePool([a, b])
+    paused_at_load = []
+
+    async def load():
+        paused_at_load.append((a._running.is_set(), b._running.is_set()))
+        await pool.rpc("rollflow_load_path", "/x")
+
+    assert await pool.update_weights_with(load) == 1
+    assert paused_at_load == [(False, False)]  # both paused before the one load ran
+    assert (a.loads, b.loads) == (1, 1) and a.version == b.version == pool.version == 1
+    assert await pool.update_weights_with(load, version=7) == 7 and a.version == b.version == 7
+
+
+async def test_a_dead_engine_is_taken_out_and_its_requests_finish_elsewhere():
+    a, b = Member("a", token_delay=0.005), Member("b", token_delay=0.005)
+    pool = EnginePool([a, b])
+    prompt = Prompt(id="p", token_ids=[4, 5, 6])
+    tasks = [asyncio.create_task(rollout(pool, prompt, SPEC, group_id=f"g{g}", index=0, partial="resume"))
+             for g in range(4)]
+    await asyncio.sleep(0.02)
+    victim = a if any(r for r in a.requests) else b
+    victim.dead = True
+    samples = await asyncio.gather(*tasks)
+    assert [m.name for m, _ in pool.taken_out] == [victim.name] and pool.members == [b if victim is a else a]
+    for sample in samples:
+        assert len(sample.completion_token_ids) == SPEC.max_tokens == len(sample.versions)
+    assert any(s.interruptions for s in samples)  # the dead engine's requests were resubmitted
+    # A weight sync now reaches the engine left, and a sync with every engine gone is an error.
+    survivor = pool.members[0]
+    assert await pool.update_weights_with(lambda: pool.rpc("load")) == 1 and survivor.version == 1
+    survivor.dead = True
+    with pytest.raises(EngineDeadError, match="every engine of the pool is gone"):
+        await pool.check_health()
+
+
+async def test_an_engine_dying_inside_the_sync_does_not_stall_the_others():
+    a, b = Member("a"), Member("b")
+    pool = EnginePool([a, b])
+    b.dead = True
+
+    async def pause_then_die(*, keep=True):
+        raise EngineDeadError("b died while pausing")
+
+    b.pause = pause_then_die  # type: ignore[method-assign]
+    assert await asyncio.wait_for(pool.update_weights_with(lambda: pool.rpc("load")), 5) == 1
+    assert pool.members == [a] and a.loads == 1
+
+    async def broken():
+        raise RuntimeError("bad bucket")
+
+    with pytest.raises(WeightSyncError, match="bad bucket"):
+        await pool.update_weights_with(broken)
+    assert a.version == 1
+
+
+async def test_a_streaming_caller_gets_the_rest_as_preempted_with_every_version():
+    pool = EnginePool([Member("a", token_delay=0.002), Member("b", token_delay=0.002)])
+    seen: list[EngineOutput] = []
+    async for out in pool.stream("g0/0", [1, 2], SPEC):
+        seen.append(out)
+        if len(seen) == 3:
+            pool._owner["g0/0"].dead = True
+    final = seen[-1]
+    tokens = [t for out in seen for t in out.token_ids]
+    assert final.finish_reason == "preempted" and final.versions == [0] * len(tokens) and len(tokens) >= 3
+    assert len(pool.members) == 1
