@@ -10,13 +10,13 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 
 import pytest
 
 from rollflow.config import EngineConfig, load_config
 from rollflow.controller import Controller
-from rollflow.engine.remote import RemoteEngine, serve_command, serve_environment
-from rollflow.models import tiny_model_path
+from rollflow.engine.remote import RemoteEngine
 from rollflow.records import SamplingSpec
 
 pytestmark = pytest.mark.integration
@@ -33,15 +33,19 @@ def free_port() -> int:
 
 
 class Server:
-    """A vLLM server subprocess (in its own process group, so a kill takes its engine too)."""
+    """A vLLM server subprocess (in its own process group, so a kill takes its engine too), started
+    as `rollflow serve-engine` starts one."""
 
     def __init__(self) -> None:
         port = free_port()
-        command = serve_command(tiny_model_path(0), CONFIG, host="127.0.0.1", port=port, dtype="float32")
+        # Through the command line, as the README starts one; it execs vLLM's server.
+        command = [sys.executable, "-m", "rollflow", "serve-engine", "--preset", "tiny", "--port", str(port),
+                   "--set", f"engine.kv_cache_bytes={CONFIG.kv_cache_bytes}",
+                   "--set", f"engine.max_model_len={CONFIG.max_model_len}",
+                   "--set", f"engine.max_num_seqs={CONFIG.max_num_seqs}"]
         self.url = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(
             command,
-            env=serve_environment(CONFIG),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -200,3 +204,54 @@ async def test_a_pool_of_two_servers_survives_losing_one(server, tmp_path, model
             await check.update_weights(model_a.state_dict())
     finally:
         second.stop()
+
+
+@pytest.mark.timeout(900)
+def test_two_nodes_of_trainer_ranks_and_two_servers_one_killed_mid_run(server, tmp_path, model_a):
+    """The multi-node recipe on one machine: two torchrun "nodes" of one gloo rank each (rank 0
+    runs the controller), two vLLM servers in a pool; the second server is killed after step 1."""
+    import json
+    import time
+
+    from rollflow.ledger import summarize
+
+    second = Server()
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+              "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    train = ["-m", "rollflow", "train", "--preset", "tiny", "--max-steps", "6", "--output-dir", str(tmp_path),
+             "--set", f'engine.urls=["{server}", "{second.url}"]', "--set", "observe.sinks=[]"]
+    nodes = [
+        subprocess.Popen([*common, "--node-rank", str(rank), *train], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for rank in (0, 1)
+    ]
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and nodes[0].poll() is None, "the run did not reach step 2"
+            time.sleep(0.5)
+        second.kill()
+        outputs = [node.communicate(timeout=600)[0] for node in nodes]
+        assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:]
+    finally:
+        second.stop()
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6)) and all(r["loss_lag_max"] <= 1 for r in rows)
+    assert "taken out of the pool" in outputs[0]
+    summary = summarize(tmp_path)
+    assert summary.ok and summary.missing == [] and summary.duplicates == []
+    # The surviving server serves trained weights, no longer the initial model's.
+    async def greedy() -> list[int]:
+        async with RemoteEngine(server, CONFIG) as check:
+            spec = SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True)
+            tokens = (await check.generate(PROMPT, spec, "nodes-check")).token_ids
+            await check.update_weights(model_a.state_dict())
+            return tokens
+
+    assert asyncio.run(greedy()) != model_a.greedy(PROMPT, 12)[0]
