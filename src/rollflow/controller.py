@@ -903,10 +903,10 @@ class Controller:
 def make_engine(model_path: Path, engine_config: EngineConfig, cfg: Config) -> Any:
     """The engine `engine.urls` describes: one in-process engine, one server, or a pool."""
     urls = engine_config.urls or ["local"]
-    if len(urls) > 1 and cfg.run.weight_transport in ("gloo", "nccl"):
+    if len(urls) > 1 and cfg.run.weight_transport == "nccl":
         raise ConfigError(
-            f"engine.urls: a pool of {len(urls)} engines needs run.weight_transport = shm (same host) or "
-            f"checkpoint (a shared filesystem), not {cfg.run.weight_transport}"
+            f"engine.urls: a pool of {len(urls)} engines needs run.weight_transport = shm (same host), gloo or "
+            "checkpoint (a shared filesystem); NCCL into several engines is not built"
         )
     if cfg.trainer.lora.enabled and urls != ["local"]:
         raise ConfigError("engine.urls: adapter-only (LoRA) sync needs one in-process engine")

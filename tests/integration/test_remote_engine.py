@@ -207,6 +207,29 @@ async def test_a_pool_of_two_servers_survives_losing_one(server, tmp_path, model
 
 
 @pytest.mark.timeout(900)
+async def test_weights_reach_every_server_of_a_pool_over_gloo(server, tmp_path, model_a):
+    second = Server()
+    try:
+        config = load_config(
+            preset="tiny",
+            overrides=[f'engine.urls=["{server}", "{second.url}"]', "run.weight_transport=gloo",
+                       "run.max_steps=3", "observe.sinks=[]"],
+        )
+        controller = Controller(config, tmp_path)
+        result = await controller.run()
+        assert result.steps == 3 and len(controller.engine.members) == 2
+        want = greedy_of(controller.trainer.lm.eval(), PROMPT, 12)
+        assert want != model_a.greedy(PROMPT, 12)[0]
+        spec = SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True)
+        for url in (server, second.url):
+            async with RemoteEngine(url, CONFIG) as check:
+                assert (await check.generate(PROMPT, spec, "gloo-check")).token_ids == want, url
+                await check.update_weights(model_a.state_dict())
+    finally:
+        second.stop()
+
+
+@pytest.mark.timeout(900)
 def test_two_nodes_of_trainer_ranks_and_two_servers_one_killed_mid_run(server, tmp_path, model_a):
     """The multi-node recipe on one machine: two torchrun "nodes" of one gloo rank each (rank 0
     runs the controller), two vLLM servers in a pool; the second server is killed after step 1."""

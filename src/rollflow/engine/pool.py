@@ -3,10 +3,11 @@
 - **Placement**: a request goes to the engine its group already uses (all G samples of a prompt,
   and every turn of an episode, share the prompt's prefix-cache entries there); a new group goes to
   the engine with the fewest outstanding tokens (prompt + budget of its live requests).
-- **Weight sync**: `update_weights_with` runs every engine's own critical section at once; the
-  transport's load runs once, after every engine has paused, and reaches all of them through
-  `rpc` (which fans out). The new version is the same on every engine, so per-token versions mean
-  the same weights wherever a token was made. The deadline applies to the whole set.
+- **Weight sync**: `update_weights_with` runs every engine's own critical section at once, each
+  loading the staged weights for itself (within it, `rpc` and `targets` address that engine only),
+  so an engine that dies mid-sync fails alone. The new version is the same on every engine, so
+  per-token versions mean the same weights wherever a token was made; each engine's section has
+  the deadline, and they run side by side.
 - **Failover**: an engine that dies is taken out. Its requests end as `preempted` (with the tokens
   the dead engine could still report, and their versions; a remote engine reports none, so its
   request restarts from the sample's earlier prefix) and the rollout resubmits them to the engines
@@ -20,19 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from rollflow.engine import EngineOutput, PartialMode, Weights
-from rollflow.errors import EngineDeadError, WeightSyncError
+from rollflow.errors import EngineDeadError
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
 
 AFFINITY_ENTRIES = 65536
 """Groups whose engine the pool remembers (the oldest are forgotten first)."""
+
+
+_current: contextvars.ContextVar[Any] = contextvars.ContextVar("rollflow_pool_member", default=None)
+"""The member whose weight-update critical section the current task runs."""
 
 
 def group_key(request_id: str) -> str:
@@ -134,9 +140,9 @@ class EnginePool:
             await member.abort(request_id)
 
     async def rpc(self, method: str, *args: Any) -> list[Any]:
-        """Call a worker-extension method on every worker of every engine (engines that die
-        meanwhile are taken out)."""
-        members = list(self.members)
+        """Call a worker-extension method on every worker of every engine addressed (`targets`);
+        engines that die meanwhile are taken out."""
+        members = self.targets()
         outcomes = await asyncio.gather(*(m.rpc(method, *args) for m in members), return_exceptions=True)
         results: list[Any] = []
         for member, outcome in zip(members, outcomes, strict=True):
@@ -172,21 +178,33 @@ class EnginePool:
         deadline_s: float | None = None,
         version: int | None = None,
     ) -> int:
-        """Every engine's critical section at once, with one `load()` for all of them, run when
-        every engine has paused; every engine gets the same new version."""
+        """Every engine's critical section at once, each running `load()` for itself (inside it,
+        `rpc` and `targets` mean that engine only); every engine gets the same new version."""
         async with self._lock:
             new_version = self._version + 1 if version is None else version
-            waiting = _Rendezvous(len(self.members), load)
+
+            async def load_into(member: Any) -> object:
+                token = _current.set(member)
+                try:
+                    return await load()
+                finally:
+                    _current.reset(token)
+
             await self._each(
                 lambda m: m.update_weights_with(
-                    waiting.arrive, partial=partial, deadline_s=deadline_s, version=new_version
-                ),
-                on_dead=waiting.leave,
+                    lambda: load_into(m), partial=partial, deadline_s=deadline_s, version=new_version
+                )
             )
             self._version = new_version
             return new_version
 
-    async def _each(self, call: Callable[[Any], Awaitable[object]], on_dead: Callable[[], None] | None = None) -> None:
+    def targets(self) -> list[Any]:
+        """The engines a weight load addresses now: the one whose critical section is running,
+        or all of them."""
+        current = _current.get()
+        return [current] if current is not None else list(self.members)
+
+    async def _each(self, call: Callable[[Any], Awaitable[object]]) -> None:
         """`call` on every engine at once; engines that die are taken out, other errors raised."""
         members = list(self.members)
 
@@ -194,44 +212,9 @@ class EnginePool:
             try:
                 await call(member)
             except EngineDeadError as err:
-                self._take_out(member, err)  # at once: later fan-outs skip it; raises when none is left
-                if on_dead is not None:
-                    on_dead()
+                self._take_out(member, err)  # raises when none is left
 
         outcomes = await asyncio.gather(*(one(m) for m in members), return_exceptions=True)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if errors:
             raise errors[0]
-
-
-class _Rendezvous:
-    """Runs `load` once, when every engine of the set has arrived (each paused); an engine that
-    dies before arriving stops being waited for."""
-
-    def __init__(self, expected: int, load: Callable[[], Awaitable[object]]) -> None:
-        self.expected = expected
-        self.arrived = 0
-        self.load = load
-        self.ready = asyncio.Event()
-        self.task: asyncio.Future[object] | None = None
-
-    def _check(self) -> None:
-        if self.arrived >= self.expected and self.task is None:
-            self.task = asyncio.ensure_future(self.load())
-            self.ready.set()
-
-    async def arrive(self) -> None:
-        self.arrived += 1
-        self._check()
-        await self.ready.wait()
-        assert self.task is not None
-        try:
-            await asyncio.shield(self.task)
-        except EngineDeadError:
-            raise
-        except Exception as err:
-            raise WeightSyncError(f"loading weights into the engine pool failed: {err}") from err
-
-    def leave(self) -> None:
-        self.expected -= 1
-        self._check()

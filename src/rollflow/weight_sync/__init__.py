@@ -8,7 +8,7 @@ label the new version -> reset the prefix cache -> resume), under a deadline; `s
 runs both. A transport whose staged copy is a snapshot (`snapshots = True`) lets the trainer
 take its next step while the engine loads. Transports:
 
-- `gloo`: a dedicated two-process gloo group between trainer rank 0 and the vLLM worker;
+- `gloo`: a dedicated two-process gloo group between trainer rank 0 and each engine's worker;
 - `shm`: same host, packed buckets in a shared-memory segment the worker loads in place;
 - `checkpoint`: safetensors files in a folder (the fallback; also the remote-server route);
 - `nccl`: vLLM's NCCL weight-transfer engine (GPU machines; see `rollflow.weight_sync.nccl`).
@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -63,8 +63,16 @@ class WeightTransport(Protocol):
     async def aclose(self) -> None: ...
 
 
+def _engines(engine: Any) -> list[Any]:
+    """The engines a call addresses: those a pool targets now (see `EnginePool.targets`), or the
+    engine itself."""
+    targets = getattr(engine, "targets", None)
+    return targets() if targets is not None else [engine]
+
+
 class GlooTransport:
-    """Trainer rank 0 (this process) -> vLLM worker over a dedicated gloo group."""
+    """Trainer rank 0 (this process) -> vLLM worker over a dedicated gloo group, one group per
+    engine (an engine pool gets one each; the staged copy is packed once for all of them)."""
 
     name = "gloo"
     snapshots = True
@@ -72,42 +80,55 @@ class GlooTransport:
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 60.0) -> None:
         self.host = host
         self.timeout_s = timeout_s
-        self._sender: GlooSender | None = None
+        self._senders: dict[int, GlooSender] = {}
+        """id(engine) -> the sending end of its group."""
         self._staged = torch.empty(0, dtype=torch.uint8)
 
-    async def connect(self, engine: VLLMEngine) -> None:
-        if self._sender is not None:  # a new engine (a restart): the old group is gone with the old one
-            self._sender.close()
-            self._sender = None
+    async def connect(self, engine: Any) -> None:
+        """Join a group with every engine behind `engine` (a restart's new engine replaces the old)."""
+        for sender in self._senders.values():
+            sender.close()
+        self._senders = {}
+        members = getattr(engine, "members", None) or [engine]
+        await asyncio.gather(*(self._join(member) for member in members))
+
+    async def _join(self, member: Any) -> None:
         sender = GlooSender(self.host, 0, self.timeout_s)
         await asyncio.gather(
             asyncio.to_thread(sender.connect),
-            engine.rpc("rollflow_gloo_join", self.host, sender.port, self.timeout_s),
+            member.rpc("rollflow_gloo_join", self.host, sender.port, self.timeout_s),
         )
-        self._sender = sender
+        self._senders[id(member)] = sender
 
     async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
         if self._staged.numel() < plan.total_bytes:
             self._staged = torch.empty(plan.total_bytes, dtype=torch.uint8)
         return await asyncio.to_thread(pack_into, plan, tensors, self._staged)
 
-    async def load(self, engine: VLLMEngine, plan: BucketPlan) -> None:
-        if self._sender is None:
-            await self.connect(engine)
-        assert self._sender is not None
-        sender = self._sender
+    async def load(self, engine: Any, plan: BucketPlan) -> None:
+        members = _engines(engine)
+        if getattr(engine, "members", None) is not None:  # engines taken out of a pool
+            for key in set(self._senders) - {id(m) for m in engine.members}:
+                self._senders.pop(key).close()
+        await asyncio.gather(*(self._send(member, plan) for member in members))
+
+    async def _send(self, member: Any, plan: BucketPlan) -> None:
+        if id(member) not in self._senders:
+            await self._join(member)
+        sender = self._senders[id(member)]
         try:
             await asyncio.gather(
-                asyncio.to_thread(sender.send_packed, plan, self._staged), engine.rpc("rollflow_gloo_receive")
+                asyncio.to_thread(sender.send_packed, plan, self._staged), member.rpc("rollflow_gloo_receive")
             )
         except BaseException:
-            self._sender = None  # a failed collective leaves the group unusable: rejoin next time
+            self._senders.pop(id(member), None)  # a failed collective leaves the group unusable: rejoin
+            sender.close()
             raise
 
     async def aclose(self) -> None:
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
+        for sender in self._senders.values():
+            sender.close()
+        self._senders = {}
 
 
 class ShmTransport:
