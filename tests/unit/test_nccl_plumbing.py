@@ -35,6 +35,14 @@ def test_worker_init_payload_is_what_vllm_accepts():
     assert NCCLWeightTransferInitInfo(**payload).nccl_unique_id_bytes is None  # TCP rendezvous mode
 
 
+def weight_transfer_calls(client: EngineClient) -> None:
+    """What vLLM's trainer-side NCCL engine calls, in order (from its own thread)."""
+    client.init_weight_transfer_engine({"rank_offset": 1})
+    client.start_weight_update()
+    client.update_weights({"names": ["a"]})
+    client.finish_weight_update("7")
+
+
 class RecordingLLM:
     """Stands in for AsyncLLM's weight-transfer methods (the engine side of the protocol)."""
 
@@ -62,12 +70,50 @@ async def test_engine_client_runs_vllm_calls_on_the_loop_from_a_thread():
     llm = RecordingLLM()
     client = EngineClient(llm, asyncio.get_running_loop())
 
-    def trainer_side():
-        client.init_weight_transfer_engine({"rank_offset": 1})
-        client.start_weight_update()
-        client.update_weights({"names": ["a"]})
-        client.finish_weight_update("7")
-
-    await asyncio.to_thread(trainer_side)
+    await asyncio.to_thread(weight_transfer_calls, client)
     assert llm.calls == [("init", {"rank_offset": 1}), ("start", None), ("update", {"names": ["a"]}),
                          ("finish", None)]  # the version label is rollflow's, set after the load
+
+
+@pytest.mark.timeout(30)
+async def test_a_remote_server_gets_the_same_calls_over_its_rl_endpoints():
+    """The nccl transport drives a remote server through `RemoteEngine.weight_transfer_api`:
+    the JSON bodies are what vLLM's endpoints read (`init_info`, `update_info` embedded)."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from rollflow.config import EngineConfig
+    from rollflow.engine.remote import RemoteEngine, serve_command
+
+    calls: list[tuple[str, object]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else None
+        calls.append((request.path, body))
+        return web.json_response({})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/{name}", record)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        engine = await RemoteEngine(f"http://127.0.0.1:{server.port}").start()
+        client = EngineClient(engine.weight_transfer_api, asyncio.get_running_loop())
+
+        await asyncio.to_thread(weight_transfer_calls, client)
+        await engine.aclose()
+    finally:
+        await server.close()
+    assert calls == [
+        ("/update_weight_version", {"new_version": "0"}),  # start() labels the server's weights
+        ("/init_weight_transfer_engine", {"init_info": {"rank_offset": 1}}),
+        ("/start_weight_update", {}),
+        ("/update_weights", {"update_info": {"names": ["a"]}}),
+        ("/finish_weight_update", {"weight_version": None}),  # rollflow labels the version itself
+    ]
+    command = serve_command("m", EngineConfig(weight_transfer="nccl"), host="127.0.0.1", port=1, dtype="bfloat16")
+    assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'

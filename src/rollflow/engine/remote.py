@@ -8,7 +8,9 @@ developer endpoints and the token-in/token-out endpoint (`python -m rollflow ser
   log-prob out, and on the final chunk the server's weight-version spans over the output tokens;
 - `POST /inference/v1/abort_requests`, `/pause?mode=keep|abort`, `/resume`,
   `/update_weight_version`, `/reset_prefix_cache`, `/collective_rpc` (the worker extension's
-  weight loading), `GET /health`.
+  weight loading), `GET /health`;
+- on GPU servers, the weight-transfer endpoints (`/init_weight_transfer_engine`,
+  `/start_weight_update`, `/update_weights`, `/finish_weight_update`) for the `nccl` transport.
 
 Per-token versions are exact for the same reason as in-process: the server's engine core labels
 each step's outputs with its current weight label, and the label only changes inside the update's
@@ -69,7 +71,9 @@ def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, po
         "--enable-prefix-caching",
         "--enable-scale-out",  # the token-in/token-out endpoint
         "--disable-log-stats",
-    ]  # fmt: skip
+    ] + (
+        ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer})] if config.weight_transfer else []
+    )  # fmt: skip
 
 
 def serve_environment(config: EngineConfig) -> dict[str, str]:
@@ -327,6 +331,11 @@ class RemoteEngine:
                         await self.resume()
         return self._version
 
+    @property
+    def weight_transfer_api(self) -> WeightTransferAPI:
+        """vLLM's weight-transfer calls (what the `nccl` transport drives) over this server's endpoints."""
+        return WeightTransferAPI(self)
+
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
         """Convenience: the whole completion as one output."""
         async for out in self.stream(request_id, prompt_token_ids, sampling, deltas=False):
@@ -341,3 +350,26 @@ class RemoteEngine:
             await self._abort_quietly(request_id)
         session, self._session = self._session, None
         await session.close()
+
+
+class WeightTransferAPI:
+    """AsyncLLM's weight-transfer methods, as calls to a server's RL endpoints (for GPU servers
+    started with `engine.weight_transfer = "nccl"`; the data itself moves over NCCL)."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self.engine = engine
+
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        await self.engine._post("/init_weight_transfer_engine", {"init_info": request.init_info})
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self.engine._post("/shutdown_weight_transfer_engine")
+
+    async def start_weight_update(self) -> None:
+        await self.engine._post("/start_weight_update")
+
+    async def update_weights(self, request: Any) -> None:
+        await self.engine._post("/update_weights", {"update_info": request.update_info})
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.engine._post("/finish_weight_update", {"weight_version": weight_version})

@@ -8,7 +8,8 @@ trainer-side code call the in-process AsyncLLM on the controller's loop, and `Pl
 presents a bucket plan's (name, dtype, shape) list and the trainer's weights as vLLM's
 `WeightSource`. Everything runs inside rollflow's critical section like the other transports.
 
-The engine must be started with `engine.weight_transfer = "nccl"`. This path needs CUDA: on CPU
+The engine (in-process, or a server from `rollflow serve-engine`) must be started with
+`engine.weight_transfer = "nccl"`. This path needs CUDA: on CPU
 only the argument plumbing is checked (tests/unit/test_nccl_plumbing.py).
 """
 
@@ -118,7 +119,9 @@ class NcclTransport:
 
         if not torch.cuda.is_available():
             raise RuntimeError("the nccl weight transport needs CUDA; use gloo or shm on CPU")
-        client: Any = EngineClient(engine.llm, asyncio.get_running_loop())
+        # An in-process engine's AsyncLLM, or a remote server's endpoints with the same calls.
+        api = getattr(engine, "weight_transfer_api", None) or engine.llm
+        client: Any = EngineClient(api, asyncio.get_running_loop())
         info = trainer_init_info(self.host, self.port, self.num_workers, buffer_bytes=self.buffer_bytes)
         empty = plan_source(BucketPlan(tensors=[], bucket_sizes=[]), [])
         self._trainer = await asyncio.to_thread(
