@@ -41,6 +41,7 @@ def bench(session: nox.Session) -> None:
     """Every benchmark; each prints a table and a RESULT line."""
     for script in (
         "bench/engine_overhead.py",
+        "bench/remote_engine.py",
         "bench/loss_memory.py",
         "bench/weight_sync.py",
         "bench/overlap.py",

@@ -134,6 +134,31 @@ async def test_keep_mode_update_mid_stream_switches_versions_at_the_boundary(rem
     assert seen[cut : cut + 8] == model_b.greedy(PROMPT + seen[:cut], 8)[0]
 
 
+@pytest.mark.timeout(300)
+async def test_resume_mode_through_the_server_continues_from_the_prefix(remote, model_a, model_b):
+    from rollflow.records import Prompt
+    from rollflow.rollout import rollout
+
+    spec = SamplingSpec(temperature=0.0, max_tokens=64, ignore_eos=True)
+    version = remote.version
+    task = asyncio.create_task(
+        rollout(remote, Prompt(id="p", token_ids=PROMPT), spec, group_id="mid-resume", index=0, partial="resume")
+    )
+    while remote.num_live == 0:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)
+    assert not task.done(), "the stream finished before the update; make it longer"
+    await remote.update_weights(model_b.state_dict(), partial="resume")  # the server aborts in-flight requests
+    sample = await task
+    tokens, versions = sample.completion_token_ids, sample.versions
+    assert len(tokens) == 64 and sample.interruptions == 1
+    k = versions.index(version + 1)
+    assert 0 < k < 64 and versions == [version] * k + [version + 1] * (64 - k)
+    assert tokens[:k] == model_a.greedy(PROMPT, k)[0]
+    want_b, logp_b = model_b.greedy(PROMPT + tokens[:k], 64 - k)
+    assert tokens[k:] == want_b and sample.logprobs[k:] == pytest.approx(logp_b, abs=1e-4)
+
+
 @pytest.mark.timeout(120)
 async def test_abort_and_cancel_end_the_request_on_the_server(remote):
     long = SamplingSpec(temperature=0.0, max_tokens=400, ignore_eos=True)
