@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -123,6 +124,7 @@ class Controller:
         self.output_dir = Path(output_dir)
         self.on_step = on_step
         run = config.run
+        check_engines(config)
         self.samples_per_step = run.groups_per_step * config.rollout.group_size
         self.admission = Admission(self.samples_per_step, run.max_lag)
         self.buffer = GroupBuffer()
@@ -900,9 +902,15 @@ class Controller:
         self._inflight.clear()
 
 
-def make_engine(model_path: Path, engine_config: EngineConfig, cfg: Config) -> Any:
-    """The engine `engine.urls` describes: one in-process engine, one server, or a pool."""
-    urls = engine_config.urls or ["local"]
+def check_engines(cfg: Config) -> None:
+    """Reject an `engine.urls` setting that cannot work, before anything is built."""
+    urls = cfg.engine.urls or ["local"]
+    for i, url in enumerate(urls):
+        parsed = urlsplit(url)
+        if url != "local" and (parsed.scheme not in ("http", "https") or not parsed.hostname):
+            raise ConfigError(
+                f"engine.urls[{i}]: expected 'local' or a server address like http://host:port, got {url!r}"
+            )
     if len(urls) > 1 and cfg.run.weight_transport == "nccl":
         raise ConfigError(
             f"engine.urls: a pool of {len(urls)} engines needs run.weight_transport = shm (same host), gloo or "
@@ -910,6 +918,11 @@ def make_engine(model_path: Path, engine_config: EngineConfig, cfg: Config) -> A
         )
     if cfg.trainer.lora.enabled and urls != ["local"]:
         raise ConfigError("engine.urls: adapter-only (LoRA) sync needs one in-process engine")
+
+
+def make_engine(model_path: Path, engine_config: EngineConfig, cfg: Config) -> Any:
+    """The engine `engine.urls` describes: one in-process engine, one server, or a pool."""
+    urls = engine_config.urls or ["local"]
     members = [
         VLLMEngine(model_path, engine_config, dtype=cfg.model.dtype)
         if url == "local"

@@ -139,3 +139,23 @@ async def test_a_streaming_caller_gets_the_rest_as_preempted_with_every_version(
     tokens = [t for out in seen for t in out.token_ids]
     assert final.finish_reason == "preempted" and final.versions == [0] * len(tokens) and len(tokens) >= 3
     assert len(pool.members) == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (['engine.urls=["htp://x:1"]'], "engine.urls[0]: expected 'local' or a server address"),
+        (['engine.urls=["local", "127.0.0.1:8000"]'], "engine.urls[1]: expected"),
+        (['engine.urls=["local", "http://h:1"]', "run.weight_transport=nccl"], "NCCL into several engines"),
+        (['engine.urls=["http://h:1"]', "trainer.lora.enabled=true"], "needs one in-process engine"),
+    ],
+)
+def test_engine_settings_that_cannot_work_are_refused_before_anything_starts(tmp_path, overrides, message):
+    from rollflow.config import load_config
+    from rollflow.controller import Controller
+    from rollflow.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        Controller(load_config(preset="tiny", overrides=overrides), tmp_path)
+    assert message in str(caught.value)
+    assert not any(tmp_path.iterdir())  # nothing written
