@@ -28,7 +28,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgspec
 
@@ -46,12 +45,10 @@ from rollflow.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from rollflow.config import Config, EngineConfig, dump_config
-from rollflow.engine.pool import EnginePool
-from rollflow.engine.remote import RemoteEngine
-from rollflow.engine.vllm import VLLMEngine
-from rollflow.envs import ChatFormat, EnvFactory, EpisodeLimits, load_environment, run_episode
-from rollflow.errors import ConfigError, EngineDeadError, EngineError, TrainingError, UserInputError
+from rollflow.config import Config, dump_config
+from rollflow.engine.factory import check_engines, make_engine
+from rollflow.envs import ChatFormat, EnvFactory, EpisodeLimits, episode_score, load_environment, run_episode
+from rollflow.errors import EngineDeadError, EngineError, TrainingError, UserInputError
 from rollflow.evaluate import EvalReport, evaluate, sampling_spec
 from rollflow.handoff import Load, Save, Step, Stop, Sync, broadcast, build_batch
 from rollflow.ledger import LEDGER, LedgerEntry, truncate
@@ -489,7 +486,7 @@ class Controller:
         began = self.clock()
         self._generated_tokens += sum(sample.num_tokens for sample in samples)
         texts = [self.tokenizer.decode(s.completion_token_ids, skip_special_tokens=True) for s in samples]
-        prior = [_env_score(s) for s in samples] if self.env is not None else None
+        prior = [episode_score(s) for s in samples] if self.env is not None else None
         try:
             results = await self.scorer.score(prompt, texts, [s.completion_token_ids for s in samples], prior)
             if self.teacher is not None:
@@ -900,47 +897,6 @@ class Controller:
         for prompt_id in list(self._inflight):
             self._drop(prompt_id, "run ended: in flight")
         self._inflight.clear()
-
-
-def check_engines(cfg: Config) -> None:
-    """Reject an `engine.urls` setting that cannot work, before anything is built."""
-    urls = cfg.engine.urls or ["local"]
-    for i, url in enumerate(urls):
-        parsed = urlsplit(url)
-        if url != "local" and (parsed.scheme not in ("http", "https") or not parsed.hostname):
-            raise ConfigError(
-                f"engine.urls[{i}]: expected 'local' or a server address like http://host:port, got {url!r}"
-            )
-    if len(urls) > 1 and cfg.run.weight_transport == "nccl":
-        raise ConfigError(
-            f"engine.urls: a pool of {len(urls)} engines needs run.weight_transport = shm (same host), gloo or "
-            "checkpoint (a shared filesystem); NCCL into several engines is not built"
-        )
-    if cfg.trainer.lora.enabled and urls != ["local"]:
-        raise ConfigError("engine.urls: adapter-only (LoRA) sync needs one in-process engine")
-
-
-def make_engine(model_path: Path, engine_config: EngineConfig, cfg: Config) -> Any:
-    """The engine `engine.urls` describes: one in-process engine, one server, or a pool."""
-    urls = engine_config.urls or ["local"]
-    members = [
-        VLLMEngine(model_path, engine_config, dtype=cfg.model.dtype)
-        if url == "local"
-        else RemoteEngine(url, engine_config)
-        for url in urls
-    ]
-    return members[0] if len(members) == 1 else EnginePool(members)
-
-
-def _env_score(sample: Sample) -> Scored:
-    """What an episode earned from its environment: the sum of its turns' rewards as the part
-    `env` (with each turn's reward as a process reward), or why it failed."""
-    if sample.unscorable is not None:
-        return Scored(None, sample.unscorable)
-    if not sample.process_rewards:
-        return Scored(None)
-    total = sum(r for _, r in sample.process_rewards)
-    return Scored(total, None, {"env": total}, list(sample.process_rewards))
 
 
 def follow(trainer: Trainer) -> None:

@@ -15,7 +15,8 @@ episode interrupted by an update resumes at its turn boundary with every earlier
 Environment failures are the episode's, not the run's: a `step` that raises or runs past
 `step_timeout_s` ends the episode as unscorable with the reason. Built-in environments:
 `calculator` (tool calls, `rollflow.envs.calculator`) and `retry` (`rollflow.envs.retry`).
-This module does not score (see `rollflow.scoring`) or generate (the caller's `generate` does).
+`episode_score` hands an episode's rewards to scoring (`Scorer.score`'s `prior`). This module
+does not run reward functions (see `rollflow.scoring`) or generate (the caller's `generate` does).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import msgspec
 
 from rollflow.errors import ConfigError
 from rollflow.records import Message, Prompt, Sample, SamplingSpec
+from rollflow.scoring import Scored
 
 
 class Turn(msgspec.Struct, frozen=True, kw_only=True):
@@ -237,6 +239,17 @@ async def _close(env: Environment) -> None:
     close = getattr(env, "aclose", None)
     if close is not None:
         await close()
+
+
+def episode_score(sample: Sample) -> Scored:
+    """What an episode earned from its environment: the sum of its turns' rewards as the part
+    `env` (with each turn's reward as a process reward), or why it failed."""
+    if sample.unscorable is not None:
+        return Scored(None, sample.unscorable)
+    if not sample.process_rewards:
+        return Scored(None)
+    total = sum(r for _, r in sample.process_rewards)
+    return Scored(total, None, {"env": total}, list(sample.process_rewards))
 
 
 def load_environment(name: str, *, tool_timeout_s: float = 5.0) -> EnvFactory:
