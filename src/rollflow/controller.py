@@ -131,6 +131,12 @@ class Controller:
             env = load_environment(config.env.name, tool_timeout_s=config.env.tool_timeout_s)
         self.env = env
         """Makes each episode's environment; None: single-turn samples."""
+        self._limits = EpisodeLimits(
+            max_turns=config.env.max_turns,
+            max_tokens=config.env.max_tokens,
+            max_model_len=config.engine.max_model_len,
+            step_timeout_s=config.env.step_timeout_s,
+        )
         rewards = make_rewards(config.scoring, run.reward, reward_funcs, env=env is not None)
         self.scorer = Scorer(rewards, max_concurrency=config.scoring.max_concurrency)
         """Every training reward, run on whole groups beside generation."""
@@ -590,15 +596,8 @@ class Controller:
             turn_prompt = Prompt(id=prompt.id, token_ids=token_ids)
             return await self._stream(turn_prompt, spec, f"{group_id}/t{n}", index, Progress())
 
-        cfg = self.config
-        limits = EpisodeLimits(
-            max_turns=cfg.env.max_turns,
-            max_tokens=cfg.env.max_tokens,
-            max_model_len=cfg.engine.max_model_len,
-            step_timeout_s=cfg.env.step_timeout_s,
-        )
         sample = await run_episode(
-            self.env(), prompt, self.spec, turn, self.chat, group_id=group_id, index=index, limits=limits
+            self.env(), prompt, self.spec, turn, self.chat, group_id=group_id, index=index, limits=self._limits
         )
         progress.saved = PartialSample(done=sample)
         return sample

@@ -185,6 +185,14 @@ async def test_an_environment_that_raises_or_hangs_makes_the_episode_unscorable(
     sample, _ = await episode(chat, Broken(hang=True), ["5"], step_timeout_s=0.1)
     assert sample.unscorable == "environment: step timed out after 0.1 s"
 
+    class BrokenReset(Broken):
+        async def reset(self, prompt):
+            raise KeyError("no such level")
+
+    sample, calls = await episode(chat, BrokenReset(), ["5"])
+    assert sample.unscorable == "environment: reset raised KeyError: 'no such level'" and calls == []
+    assert sample.prompt_token_ids == prompt().token_ids and sample.completion_token_ids == []
+
 
 @pytest.mark.timeout(60)
 async def test_retry_environment_turns_budget_and_process_rewards(chat):

@@ -11,11 +11,13 @@ The real backend is `rollflow.engine.vllm.VLLMEngine` (vLLM's AsyncLLM); `FakeEn
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterable, Mapping
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Literal, Protocol
 
 import msgspec
 
+from rollflow.errors import EngineDeadError, WeightSyncError, WeightSyncTimeout
 from rollflow.records import SamplingSpec
 
 FinishReason = Literal["stop", "length", "abort", "preempted"]
@@ -94,4 +96,65 @@ def spans_to_versions(spans: Iterable[tuple[int, int, int]], num_tokens: int) ->
     return versions
 
 
-__all__ = ["Engine", "EngineOutput", "FinishReason", "PartialMode", "Weights", "spans_to_versions"]
+Stage = tuple[str, Callable[[], Awaitable[object]]]
+"""One named step of a weight update (`pause`, `load`, `label`, ...)."""
+
+
+async def critical_section(
+    what: str,
+    version: int,
+    stages: Sequence[Stage],
+    *,
+    deadline_s: float,
+    resume: Callable[[], Awaitable[object]],
+    can_resume: Callable[[], bool],
+    dead: Callable[[Exception], EngineDeadError | None] = lambda err: None,
+) -> None:
+    """Run a weight update's stages under one deadline, then resume the engine whatever happened.
+
+    The engine adapters own the stages (pause -> load -> label -> reset the prefix cache) and bump
+    their version only when this returns. A stalled stage is a `WeightSyncTimeout`, a failed one a
+    `WeightSyncError`, both naming the stage and saying the engine keeps `version`; `dead` turns an
+    error that means the engine is gone into `EngineDeadError`. `resume` runs (when `can_resume()`)
+    with the same deadline; an engine that cannot resume is dead.
+    """
+    stage = stages[0][0] if stages else ""
+    try:
+        async with asyncio.timeout(deadline_s):
+            for name, run in stages:
+                stage = name
+                await run()
+    except TimeoutError:
+        raise WeightSyncTimeout(
+            f"weight update of {what} after version {version} stalled in stage '{stage}' for more than "
+            f"{deadline_s:g} s (engine.update_deadline_s); the engine keeps version {version}"
+        ) from None
+    except EngineDeadError:
+        raise
+    except Exception as err:
+        gone = dead(err)
+        if gone is not None:
+            raise gone from err
+        raise WeightSyncError(
+            f"weight update of {what} after version {version} failed in stage '{stage}': {err}; "
+            f"the engine keeps version {version}"
+        ) from err
+    finally:
+        if can_resume():
+            try:
+                async with asyncio.timeout(deadline_s):
+                    await resume()
+            except TimeoutError:
+                raise EngineDeadError(f"{what} did not resume within {deadline_s:g} s after a weight update") from None
+
+
+__all__ = [
+    "Engine",
+    "EngineOutput",
+    "FinishReason",
+    "PartialMode",
+    "Stage",
+    "Weights",
+    "critical_section",
+    "spans_to_versions",
+]

@@ -58,8 +58,8 @@ class EnginePool:
         self._version = 0
         self._owner: dict[str, Any] = {}
         """Live request id -> its engine."""
-        self._outstanding: dict[int, int] = {}
-        """id(engine) -> outstanding tokens of its live requests."""
+        self._outstanding: dict[Any, int] = {}
+        """Engine -> outstanding tokens of its live requests."""
         self._affinity: OrderedDict[str, Any] = OrderedDict()
         self._lock = asyncio.Lock()
 
@@ -84,7 +84,7 @@ class EnginePool:
         key = group_key(request_id)
         member = self._affinity.get(key)
         if member is None or member not in self.members:
-            member = min(self.members, key=lambda m: self._outstanding.get(id(m), 0))
+            member = min(self.members, key=lambda m: self._outstanding.get(m, 0))
             self._affinity[key] = member
             if len(self._affinity) > AFFINITY_ENTRIES:
                 self._affinity.popitem(last=False)
@@ -107,7 +107,7 @@ class EnginePool:
         member = self._place(request_id)
         cost = len(prompt_token_ids) + sampling.max_tokens
         self._owner[request_id] = member
-        self._outstanding[id(member)] = self._outstanding.get(id(member), 0) + cost
+        self._outstanding[member] = self._outstanding.get(member, 0) + cost
         yielded = 0
         try:
             async for out in member.stream(request_id, prompt_token_ids, sampling, deltas=deltas):
@@ -128,7 +128,7 @@ class EnginePool:
                 raise  # tokens already passed on cannot be labelled
         finally:
             self._owner.pop(request_id, None)
-            self._outstanding[id(member)] -= cost
+            self._outstanding[member] -= cost
 
     def partial(self, request_id: str) -> EngineOutput | None:
         member = self._owner.get(request_id)

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from rollflow.config import EngineConfig
-from rollflow.engine import EngineOutput, PartialMode, Weights, spans_to_versions
-from rollflow.errors import EngineDeadError, EngineError, WeightSyncError, WeightSyncTimeout
+from rollflow.engine import EngineOutput, PartialMode, Weights, critical_section, spans_to_versions
+from rollflow.errors import EngineDeadError, EngineError
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -77,16 +77,11 @@ def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, po
 
 
 def serve_environment(config: EngineConfig) -> dict[str, str]:
-    """Environment of the server process: the RL and developer endpoints, CPU settings."""
-    import torch
+    """Environment of the server process: `engine_environment` under the user's own settings,
+    with the RL and developer endpoints on (/pause, /resume, weight labels, /collective_rpc)."""
+    from rollflow.engine.vllm import engine_environment
 
-    env = dict(os.environ)
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /resume, weight labels, /collective_rpc
-    if not torch.cuda.is_available():
-        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        env.setdefault("OMP_NUM_THREADS", str(config.threads))
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return env
+    return engine_environment(config) | dict(os.environ) | {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 class RemoteEngine:
@@ -297,38 +292,27 @@ class RemoteEngine:
     ) -> int:
         """The weight-update critical section around `load()`, as `VLLMEngine.update_weights_with`:
         pause -> load -> label -> reset the prefix cache -> resume (always) -> bump the version."""
-        deadline = deadline_s if deadline_s is not None else self.config.update_deadline_s
+        keep = partial == "keep"
+        recompute = str(keep and not self.config.keep_kv_on_update).lower()
         async with self._update_lock:
-            keep = partial == "keep"
-            stage = "pause"
-            try:
-                async with asyncio.timeout(deadline):
-                    await self.pause(keep=keep)
-                    stage = "load"
-                    await load()
-                    new_version = self._version + 1 if version is None else version
-                    stage = "label"
-                    await self._post("/update_weight_version", {"new_version": str(new_version)})
-                    stage = "reset prefix cache"
-                    recompute = keep and not self.config.keep_kv_on_update
-                    await self._post("/reset_prefix_cache", reset_running_requests=str(recompute).lower())
-                self._version = new_version
-            except TimeoutError:
-                raise WeightSyncTimeout(
-                    f"weight update of {self.url} after version {self._version} stalled in stage '{stage}' for "
-                    f"more than {deadline:g} s (engine.update_deadline_s); it keeps version {self._version}"
-                ) from None
-            except EngineDeadError:
-                raise
-            except Exception as err:
-                raise WeightSyncError(
-                    f"weight update of {self.url} after version {self._version} failed in stage '{stage}': {err}; "
-                    f"it keeps version {self._version}"
-                ) from err
-            finally:
-                if self._dead is None and self._session is not None:
-                    async with asyncio.timeout(deadline):
-                        await self.resume()
+            new_version = self._version + 1 if version is None else version
+            await critical_section(
+                f"vLLM server {self.url}",
+                self._version,
+                [
+                    ("pause", lambda: self.pause(keep=keep)),
+                    ("load", load),
+                    ("label", lambda: self._post("/update_weight_version", {"new_version": str(new_version)})),
+                    (
+                        "reset prefix cache",
+                        lambda: self._post("/reset_prefix_cache", reset_running_requests=recompute),
+                    ),
+                ],
+                deadline_s=deadline_s if deadline_s is not None else self.config.update_deadline_s,
+                resume=self.resume,
+                can_resume=lambda: self._dead is None and self._session is not None,
+            )
+            self._version = new_version
         return self._version
 
     @property

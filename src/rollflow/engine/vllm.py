@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from rollflow.config import EngineConfig
-from rollflow.engine import EngineOutput, PartialMode, Weights, spans_to_versions
-from rollflow.errors import EngineDeadError, EngineError, WeightSyncError, WeightSyncTimeout
+from rollflow.engine import EngineOutput, PartialMode, Stage, Weights, critical_section, spans_to_versions
+from rollflow.errors import EngineDeadError, EngineError, WeightSyncError
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -37,20 +37,26 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "rollflow.engine.worker.WorkerExtension"
 
 
-def prepare_environment(config: EngineConfig) -> None:
-    """Environment vLLM reads at import: CPU platform, one engine process, quiet logs.
-
-    Values the user already set win. Must run before `vllm` is imported.
-    """
+def engine_environment(config: EngineConfig) -> dict[str, str]:
+    """Environment variables vLLM reads at import, for any vLLM process rollflow starts: the CPU
+    platform and its threads when there is no GPU, quiet logs."""
     import torch
 
+    env = {"VLLM_LOGGING_LEVEL": "WARNING"}
     if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        # One engine process (worker inside the engine core) instead of two.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("OMP_NUM_THREADS", str(config.threads))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+        env |= {"VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": str(config.threads)}
+    return env
+
+
+def prepare_environment(config: EngineConfig) -> None:
+    """Set `engine_environment` for an in-process engine, plus one engine process (the worker
+    inside the engine core) instead of two on CPU. Values the user already set win. Must run
+    before `vllm` is imported."""
+    env = engine_environment(config) | {"VLLM_CONFIGURE_LOGGING": "1"}
+    if env.get("VLLM_TARGET_DEVICE") == "cpu":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
 
 
 def _sampling_params(sampling: SamplingSpec, deltas: bool = True) -> Any:
@@ -318,49 +324,34 @@ class VLLMEngine:
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
         llm = self.llm
-        deadline = deadline_s if deadline_s is not None else self.config.update_deadline_s
+        keep = partial == "keep"
+        # Mandatory prefix-cache reset: else prompts longer than a block reuse KV from old weights.
+        # In keep mode, running requests' KV is also recomputed under the new ones.
+        recompute = keep and not self.config.keep_kv_on_update
+
+        def guarded(run: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[object]]:
+            return lambda: self._unless_dead(run())
+
         async with self._update_lock:
-            keep = partial == "keep"
-            stage = "pause"
-            try:
-                async with asyncio.timeout(deadline):
-                    await self._unless_dead(self.pause(keep=keep))
-                    stage = "load"
-                    await self._unless_dead(load())
-                    new_version = self._version + 1 if version is None else version
-                    stage = "label"
-                    await self._unless_dead(llm.update_weight_version(str(new_version)))
-                    if self.reset_prefix_cache_on_update:
-                        stage = "reset prefix cache"
-                        # Mandatory: else prompts longer than a block reuse KV from old weights.
-                        # In keep mode, running requests' KV is also recomputed under the new ones.
-                        recompute = keep and not self.config.keep_kv_on_update
-                        await self._unless_dead(llm.reset_prefix_cache(reset_running_requests=recompute))
-                self._version = new_version
-            except TimeoutError:
-                raise WeightSyncTimeout(
-                    f"weight update after version {self._version} stalled in stage '{stage}' for more than "
-                    f"{deadline:g} s (engine.update_deadline_s); the engine keeps version {self._version}"
-                ) from None
-            except VLLMDead as err:
-                raise self._dead(err) from err
-            except EngineDeadError:
-                raise  # closed after its death while this update was under way
-            except Exception as err:
-                raise WeightSyncError(
-                    f"weight update after version {self._version} failed in stage '{stage}': {err}; "
-                    f"the engine keeps version {self._version}"
-                ) from err
-            finally:
-                if self._llm is not None and not llm.errored:
-                    try:
-                        async with asyncio.timeout(deadline):
-                            await self.resume()
-                    except TimeoutError:
-                        raise EngineDeadError(
-                            f"vLLM engine for {self.model_path} did not resume within {deadline:g} s "
-                            "after a weight update"
-                        ) from None
+            new_version = self._version + 1 if version is None else version
+            stages: list[Stage] = [
+                ("pause", guarded(lambda: self.pause(keep=keep))),
+                ("load", guarded(load)),
+                ("label", guarded(lambda: llm.update_weight_version(str(new_version)))),
+            ]
+            if self.reset_prefix_cache_on_update:
+                reset = guarded(lambda: llm.reset_prefix_cache(reset_running_requests=recompute))
+                stages.append(("reset prefix cache", reset))
+            await critical_section(
+                f"vLLM engine for {self.model_path}",
+                self._version,
+                stages,
+                deadline_s=deadline_s if deadline_s is not None else self.config.update_deadline_s,
+                resume=self.resume,
+                can_resume=lambda: self._llm is not None and not llm.errored,
+                dead=lambda err: self._dead(err) if isinstance(err, VLLMDead) else None,
+            )
+            self._version = new_version
         return self._version
 
     async def _unless_dead(self, call: Awaitable[Any], poll_s: float = 0.5) -> Any:

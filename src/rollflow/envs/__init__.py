@@ -135,25 +135,6 @@ async def run_episode(
     tokens carry log-prob 0 and the version of the model token before them (so they never make
     the sample look staler than its oldest model token). An environment failure makes the sample
     unscorable with the reason."""
-    try:
-        messages = list(await _bounded(env.reset(prompt), limits.step_timeout_s, "reset"))
-    except _EnvFailed as err:
-        await _close(env)
-        return Sample(
-            prompt_id=prompt.id,
-            group_id=group_id,
-            index=index,
-            prompt_token_ids=prompt.token_ids,
-            completion_token_ids=[],
-            logprobs=[],
-            versions=[],
-            loss_mask=[],
-            finish_reason="stop",
-            sampling=sampling,
-            unscorable=str(err),
-        )
-    rendered = chat.render(messages)
-    opening = chat.tokens(rendered)
     tokens: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
@@ -163,7 +144,13 @@ async def run_episode(
     finish_reason = "length"
     failure: str | None = None
     turns = 0
-    while turns < limits.max_turns:
+    try:
+        messages = list(await _bounded(env.reset(prompt), limits.step_timeout_s, "reset"))
+        rendered = chat.render(messages)
+        opening = chat.tokens(rendered)
+    except _EnvFailed as err:  # no episode: the sample is the prompt alone, unscorable
+        failure, finish_reason, opening = str(err), "stop", prompt.token_ids
+    while failure is None and turns < limits.max_turns:
         room = min(limits.max_tokens - len(tokens), limits.max_model_len - len(opening) - len(tokens))
         budget = min(sampling.max_tokens, room)
         if budget <= 0:
