@@ -29,6 +29,7 @@ import msgspec
 import torch
 
 from rollflow import faults
+from rollflow.config import Config
 from rollflow.errors import CheckpointError
 from rollflow.records import Group, Prompt
 from rollflow.rollout import PartialSample
@@ -78,6 +79,35 @@ def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+
+
+RESUME_FIXED = ("model.path", "rollout.group_size", "run.groups_per_step", "data", "trainer.lora")
+"""Settings a checkpoint depends on: the trainer's tensors (model, adapter), the groups saved in
+flight and in the buffer (group size), the admission count (batch size) and the sampler's
+position (the prompt source). Anything else (learning rate, max_lag, max_steps, ...) may change."""
+
+
+def resume_changes(previous: Config, current: Config) -> list[str]:
+    """`key: old -> new` for each setting in `RESUME_FIXED` that differs between the run's saved
+    config and the one it is being resumed with."""
+
+    def flat(value: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}.{key}").items()}
+        return {prefix: value}
+
+    changes = []
+    for key in RESUME_FIXED:
+        old, new = previous, current
+        for part in key.split("."):
+            old, new = getattr(old, part), getattr(new, part)
+        before, after = flat(msgspec.to_builtins(old), key), flat(msgspec.to_builtins(new), key)
+        changes += [
+            f"{k}: {before.get(k)!r} -> {after.get(k)!r}"
+            for k in sorted(before | after)
+            if before.get(k) != after.get(k)
+        ]
+    return changes
 
 
 def checkpoints(run_dir: Path) -> list[Path]:

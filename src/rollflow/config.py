@@ -104,6 +104,10 @@ class SamplingConfig(_Section, frozen=True):
     max_tokens: PosInt = 64
     """Most completion tokens per sample."""
 
+    ignore_eos: bool = False
+    """Keep sampling past the end-of-sequence token, so every completion is `max_tokens` long
+    (benchmarks use it for a workload that does not change as the policy learns)."""
+
 
 class DataConfig(_Section, frozen=True):
     task: Literal["arithmetic", "countdown", "jsonl"] = "arithmetic"
@@ -282,6 +286,12 @@ class RunConfig(_Section, frozen=True):
     """CPU cores the trainer thread is bound to (Linux); empty: no binding. The event loop and
     the engine stay where they are, so e.g. `[1]` with the process on core 0 gives the trainer a
     core of its own."""
+
+    gc_freeze: bool = True
+    """While the run trains, keep the objects that exist when it starts (torch, vLLM's client,
+    the models) out of Python's cyclic garbage collector (`gc.freeze`, undone when the run ends),
+    so a full collection scans only what the run creates instead of several hundred thousand
+    library objects. Objects are still freed by reference counting as usual."""
 
 
 class ObserveConfig(_Section, frozen=True):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -36,19 +37,21 @@ from rollflow.advantage import group_advantages, process_advantages
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import (
     CHECKPOINTS,
+    RESUME_FIXED,
     PendingGroup,
     RunState,
     clean_temporary,
     latest_checkpoint,
     read_state,
+    resume_changes,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
-from rollflow.config import Config, dump_config
+from rollflow.config import Config, dump_config, load_config
 from rollflow.engine.factory import check_engines, make_engine
 from rollflow.envs import ChatFormat, EnvFactory, EpisodeLimits, episode_score, load_environment, run_episode
-from rollflow.errors import EngineDeadError, EngineError, TrainingError, UserInputError
+from rollflow.errors import ConfigError, EngineDeadError, EngineError, TrainingError, UserInputError
 from rollflow.evaluate import EvalReport, evaluate, sampling_spec
 from rollflow.handoff import Load, Save, Step, Stop, Sync, broadcast, build_batch
 from rollflow.ledger import LEDGER, LedgerEntry, truncate
@@ -216,6 +219,7 @@ class Controller:
             raise
         metrics: list[dict[str, Any]] = []
         eval_before = eval_after = None
+        frozen = False
         try:
             if checkpoint is not None:
                 await self._restore(checkpoint)
@@ -228,6 +232,10 @@ class Controller:
                 await self._load_trainer_weights(self.engine)
             if cfg.run.eval_prompts and checkpoint is None:
                 eval_before = await self._evaluate()
+            if cfg.run.gc_freeze:
+                gc.collect()  # nothing that is already garbage gets frozen
+                gc.freeze()
+                frozen = True
             try:
                 async with asyncio.TaskGroup() as tg:
                     producer = tg.create_task(self._produce(tg), name="producer")
@@ -253,6 +261,8 @@ class Controller:
             if cfg.run.eval_prompts and not self._stop.is_set():
                 eval_after = await self._evaluate()
         finally:
+            if frozen:
+                gc.unfreeze()
             self._account_leftovers()
             if self.trainer.world_size > 1:
                 await asyncio.to_thread(broadcast, Stop())
@@ -332,6 +342,7 @@ class Controller:
         checkpoint = latest_checkpoint(out)
         if checkpoint is None:
             raise UserInputError(f"{out}: no checkpoint to resume from in {out / CHECKPOINTS}; start without --resume")
+        self._check_resumable(out / "config.toml")
         clean_temporary(out)
         state = read_state(checkpoint)
         if state.step >= self.config.run.max_steps:
@@ -344,6 +355,24 @@ class Controller:
         self._restored = state
         log.info("resuming from %s (step %d)", checkpoint, state.step)
         return checkpoint
+
+    def _check_resumable(self, saved: Path) -> None:
+        """Refuse to resume with settings the checkpoint depends on changed (`RESUME_FIXED`)."""
+        if not saved.exists():
+            log.warning("%s is missing: cannot check that the resumed run's settings match", saved)
+            return
+        try:
+            previous = load_config(saved)
+        except ConfigError as err:
+            log.warning("cannot check the resumed run's settings against %s: %s", saved, err)
+            return
+        changes = resume_changes(previous, self.config)
+        if changes:
+            raise UserInputError(
+                f"{saved}: cannot resume this run with different {', '.join(RESUME_FIXED)} settings; changed: "
+                + "; ".join(changes)
+                + ". Put them back, or start a new run in another output directory"
+            )
 
     async def _restore(self, checkpoint: Path) -> None:
         """Put the trainer, sampler, admission, buffer and counters back as the checkpoint has them

@@ -43,7 +43,9 @@ def sampling_spec(config: Config, *, greedy: bool = False) -> SamplingSpec:
     s = config.sampling
     if greedy:
         return SamplingSpec(temperature=0.0, max_tokens=s.max_tokens)
-    return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens)
+    return SamplingSpec(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, ignore_eos=s.ignore_eos
+    )
 
 
 async def evaluate(

@@ -137,6 +137,26 @@ async def test_resume_needs_a_checkpoint_and_steps_left(tmp_path):
     assert result.first_step == 2 and result.steps == 1
 
 
+async def test_resume_refuses_changed_settings_the_checkpoint_depends_on(tmp_path):
+    await asyncio.wait_for(make(tmp_path, run__max_steps=2).run(), 60)
+    saved = (tmp_path / "config.toml").read_text()
+    for setting, expected in [
+        ({"run__groups_per_step": 8}, "run.groups_per_step: 4 -> 8"),
+        ({"rollout__group_size": 2}, "rollout.group_size: 4 -> 2"),
+        ({"data__seed": 7}, "data.seed: 0 -> 7"),
+        ({"model__path": "tiny:1"}, "model.path: 'tiny' -> 'tiny:1'"),
+        ({"trainer__lora__enabled": "true"}, "trainer.lora.enabled: False -> True"),
+    ]:
+        with pytest.raises(UserInputError, match="cannot resume") as caught:
+            await make(tmp_path, resume=True, run__max_steps=3, **setting).run()
+        assert str(tmp_path / "config.toml") in str(caught.value) and expected in str(caught.value)
+        assert (tmp_path / "config.toml").read_text() == saved  # the refused resume changed nothing
+    # Settings the checkpoint does not depend on may change.
+    resumed = make(tmp_path, resume=True, run__max_steps=3, trainer__lr=1e-4, run__max_lag=2)
+    result = await asyncio.wait_for(resumed.run(), 60)
+    assert result.first_step == 2 and result.steps == 1
+
+
 class _NonFinite(FakeTrainer):
     def step(self, batch):
         return {**super().step(batch), "skipped": 1.0}

@@ -27,6 +27,17 @@ def test_file_then_overrides(tmp_path):
     assert cfg.rollout.partial == "resume"
 
 
+def test_sampling_section_reaches_the_engine_spec():
+    from rollflow.evaluate import sampling_spec
+
+    cfg = load_config(overrides=["sampling.ignore_eos=true", "sampling.top_k=20", "sampling.max_tokens=7"])
+    spec = sampling_spec(cfg)
+    assert (spec.ignore_eos, spec.top_k, spec.max_tokens) == (True, 20, 7)
+    assert sampling_spec(load_config()).ignore_eos is False
+    greedy = sampling_spec(cfg, greedy=True)  # evaluation: greedy, stops at the end of the answer
+    assert (greedy.temperature, greedy.ignore_eos, greedy.max_tokens) == (0.0, False, 7)
+
+
 def test_resolved_config_round_trips_through_toml():
     cfg = load_config(preset="default", overrides=["data.paths=['a.jsonl', 'b.jsonl']"])
     assert config_from_dict(tomllib.loads(dump_config(cfg))) == cfg

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import os
@@ -203,3 +204,20 @@ async def test_trainer_steps_run_on_one_thread_bound_to_trainer_cpus(tmp_path):
     await run_fake(tmp_path, FakeEngine(), trainer, max_steps=3, trainer_cpus=f"[{core}]")
     assert len(trainer.threads) == 1 and threading.get_native_id() not in trainer.threads
     assert trainer.cpus == [{core}] * 3
+
+
+class _FreezeProbe(FakeTrainer):
+    def step(self, batch):
+        self.frozen.append(gc.get_freeze_count())
+        return super().step(batch)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_startup_objects_are_kept_out_of_the_collector_while_the_run_trains(tmp_path, enabled):
+    assert gc.get_freeze_count() == 0
+    trainer = _FreezeProbe()
+    trainer.frozen = []
+    await run_fake(tmp_path, FakeEngine(), trainer, max_steps=2, gc_freeze=str(enabled).lower())
+    # Frozen during every step (the libraries imported by then number in the thousands at least).
+    assert len(trainer.frozen) == 2 and all((n > 1000) if enabled else (n == 0) for n in trainer.frozen)
+    assert gc.get_freeze_count() == 0  # undone when the run ends
