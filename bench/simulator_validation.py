@@ -9,8 +9,8 @@
 3. Simulate A and configuration B (max_lag 2, 4 groups per step) with those profiles, run B for
    real, and print predicted vs measured steps/s and trainer idle for both.
 
-Engine on core 0, controller and trainer on core 1, as in bench/overlap.py (whose workload this
-reuses: tiny model, ≤ 64 tokens, a 400-character system prompt). Last line:
+Engine on core 0, controller and trainer on core 1, as in bench/overlap.py (whose `tiny` workload
+this reuses: tiny model, ≤ 64 tokens, a 400-character system prompt). Last line:
 `RESULT sim_error_pct=<x>`, the steps/s error on B.
 
     bin/dev python bench/simulator_validation.py [--steps 24]

@@ -6,8 +6,8 @@ Two parts:
    from (logits / temperature, renormalised over the top-k / top-p support when those were used),
    computed from final hidden states and the LM head in chunks of tokens. The (tokens × vocab)
    logits tensor never exists whole: a custom autograd function keeps only the inputs and
-   recomputes one chunk's logits in backward. On CUDA with liger-kernel installed and no
-   truncation, the fused kernel is used instead (`rollflow.loss_liger`).
+   recomputes one chunk's logits in backward. The same path runs on CUDA; liger-kernel's fused
+   kernel is not wired in (it needs a GPU to build and check against this path).
 
 2. `policy_loss`: the clipped policy-gradient objective of the GRPO family with an
    importance-sampling correction against the behaviour log-probs recorded by the engine, a
