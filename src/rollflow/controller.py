@@ -233,7 +233,8 @@ class Controller:
             if cfg.run.eval_prompts and checkpoint is None:
                 eval_before = await self._evaluate()
             if cfg.run.gc_freeze:
-                gc.collect()  # nothing that is already garbage gets frozen
+                # No gc.collect() first: a full collection of the startup heap costs a fixed
+                # 0.1-0.3 s; garbage frozen with the rest is collected after the run unfreezes.
                 gc.freeze()
                 frozen = True
             try:
