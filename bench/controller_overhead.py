@@ -18,21 +18,16 @@ import time
 from rollflow.config import load_config
 from rollflow.controller import Controller
 from rollflow.engine import EngineOutput
-from rollflow.trainer import FakeTrainer
-from rollflow.weight_sync import NullTransport
+from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
 
 
-class InstantEngine:
+class InstantEngine(FakeEngine):
     """Zero latency: every request returns a fixed completion in one final output, at once."""
 
-    version = 0
-
     def __init__(self, tokens: int) -> None:
+        super().__init__()
         self.tokens = list(range(3, 3 + tokens))
         self.logprobs = [-1.0] * tokens
-
-    async def start(self):
-        return self
 
     async def stream(self, request_id, prompt_token_ids, sampling, *, deltas=True):
         n = min(sampling.max_tokens, len(self.tokens))
@@ -40,22 +35,11 @@ class InstantEngine:
 
     async def update_weights_with(self, load, *, partial="keep", deadline_s=None, version=None):
         await load()
-        self.version = self.version + 1 if version is None else version
-        return self.version
+        self._version = self._version + 1 if version is None else version
+        return self._version
 
     def partial(self, request_id):
         return None  # a request never runs long enough to be seen mid-way
-
-    async def aclose(self):
-        return None
-
-
-class Tokenizer:
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        return [1 + ord(c) % 500 for m in messages for c in m["content"]]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(48 + i % 10) for i in ids)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -76,7 +60,7 @@ async def main(args: argparse.Namespace) -> None:
             engine=InstantEngine(args.tokens),
             trainer=FakeTrainer(),
             transport=NullTransport(),
-            tokenizer=Tokenizer(),
+            tokenizer=FakeTokenizer(),
         )
         import logging
 

@@ -17,14 +17,15 @@ import asyncio
 from sidebyside import alternate, engine_args, report, workload
 
 from rollflow.config import EngineConfig
-from rollflow.engine.vllm import VLLMEngine, _sampling_params
+from rollflow.engine.environment import sampling_params
+from rollflow.engine.vllm import VLLMEngine
 from rollflow.models import resolve_model
 from rollflow.records import Prompt, SamplingSpec
 from rollflow.rollout import rollout
 
 
 async def raw_round(engine: VLLMEngine, prompts: list[list[int]], spec: SamplingSpec, tag: str) -> int:
-    params = _sampling_params(spec)
+    params = sampling_params(spec)
 
     async def one(i: int, ids: list[int]) -> int:
         tokens, logprobs = [], []

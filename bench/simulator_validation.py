@@ -118,7 +118,7 @@ async def measure_contention(engine, config, path, prompts, generate) -> tuple[f
 
     import torch
 
-    from rollflow.handoff import train_sample
+    from rollflow.batch import train_sample
     from rollflow.records import TrainBatch
     from rollflow.rollout import rollout
     from rollflow.trainer import Trainer

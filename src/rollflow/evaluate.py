@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -18,6 +19,9 @@ from rollflow.engine import Engine
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout
 from rollflow.tasks import verify
+
+ScoreFn = Callable[[Prompt, str], tuple[float | None, str | None]]
+"""(prompt, completion text) -> (reward, None) or (None, why it is unscorable)."""
 
 
 class EvalReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,4 +100,22 @@ async def evaluate(
         tokens=tokens,
         wall_s=wall,
         examples=examples,
+    )
+
+
+async def evaluate_held_out(engine: Engine, config: Config, tokenizer: Any, score: ScoreFn) -> EvalReport:
+    """Greedy accuracy on `run.eval_prompts` held-out prompts (drawn with `run.eval_seed`, so the
+    same before and after training); `score(prompt, text)` returns (reward, ...)."""
+    from rollflow.models import chat_encoder
+    from rollflow.sampler import Sampler
+
+    held_out = Sampler(msgspec.structs.replace(config.data, seed=config.run.eval_seed), chat_encoder(tokenizer))
+    prompts = [held_out.next() for _ in range(config.run.eval_prompts)]
+    return await evaluate(
+        engine,
+        prompts,
+        sampling_spec(config, greedy=True),
+        samples_per_prompt=1,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        score=lambda p, text: score(p, text)[0],
     )

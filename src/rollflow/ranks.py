@@ -1,22 +1,159 @@
-"""Several trainer ranks under torchrun: rank 0 runs the controller, the others follow it.
+"""Several trainer ranks under torchrun: rank 0 leads, the others follow; the whole protocol.
 
 `python -m rollflow train ...` run by `torchrun --nproc-per-node N` (or `--nnodes`) starts one
 process per rank. Every rank joins the default process group (NCCL on GPU, gloo on CPU) and
-builds its `Trainer` shard (FSDP2); rank 0 also runs the controller and the engine, and sends
-each batch and each weight gather to the others over that group (`rollflow.handoff`); ranks
-other than 0 loop in `controller.follow` until rank 0 says stop. Without torchrun (no
-WORLD_SIZE, or 1) nothing here happens. This module does not train or generate itself.
+builds its `Trainer` shard (FSDP2); rank 0 also runs the controller and the engine.
+
+Every trainer call that is collective under FSDP2 (a step, a weight gather, a checkpoint save or
+load) must be made by all ranks together. Rank 0 wraps its trainer in a `Leader`, which sends
+the matching message (`Step`, `Sync`, `Adapter`, `Save`, `Load`) before making the call itself;
+ranks other than 0 loop in `follow`, making the same call for each message until `Stop`.
+Messages travel with `broadcast` (msgpack bytes in a uint8 tensor: length first, then payload).
+The calls are blocking: the controller makes them on its trainer thread, never on the event
+loop. Without torchrun (no WORLD_SIZE, or 1) nothing here happens. This module does not decide
+when to train.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from rollflow.records import TrainBatch
+from rollflow.trainer import MicroBatch, TrainerBackend
 
 HANDOFF_TIMEOUT = timedelta(minutes=30)
 """How long a rank waits in a collective (a batch may take minutes to generate on CPU)."""
+
+
+class Step(msgspec.Struct, frozen=True, tag="step"):
+    """Train on this batch."""
+
+    batch: TrainBatch
+
+
+class Sync(msgspec.Struct, frozen=True, tag="sync"):
+    """Gather full weights in lockstep (rank 0 sends them to the engine)."""
+
+
+class Adapter(msgspec.Struct, frozen=True, tag="adapter"):
+    """Gather the LoRA adapter in lockstep (rank 0 sends it to the engine)."""
+
+
+class Stop(msgspec.Struct, frozen=True, tag="stop"):
+    """Leave the follower loop."""
+
+
+class Save(msgspec.Struct, frozen=True, tag="save"):
+    """Write this rank's trainer shard into the checkpoint folder `path`."""
+
+    path: str
+
+
+class Load(msgspec.Struct, frozen=True, tag="load"):
+    """Restore this rank's trainer shard from the checkpoint folder `path`."""
+
+    path: str
+    rest: bytes
+    """The non-tensor trainer state (msgpack)."""
+
+
+Message = Step | Sync | Adapter | Stop | Save | Load
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def broadcast(message: Message | None, *, src: int = 0, group: dist.ProcessGroup | None = None) -> Message:
+    """Rank `src` passes the message; every other rank passes None and receives it."""
+    rank = dist.get_rank(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    if rank == src:
+        if message is None:
+            raise ValueError("the source rank must pass a message")
+        payload = torch.frombuffer(bytearray(_encoder.encode(message)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.long)
+    else:
+        size = torch.zeros(1, dtype=torch.long)
+    size = size.to(device) if device else size
+    dist.broadcast(size, src=src, group=group)
+    if rank != src:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    buffer = payload.to(device) if device else payload
+    dist.broadcast(buffer, src=src, group=group)
+    if rank == src:
+        return message  # type: ignore[return-value]
+    return _decoder.decode(buffer.cpu().numpy().tobytes())
+
+
+class Leader:
+    """Rank 0's trainer with several ranks: each collective call is announced to the followers
+    first, so every rank makes it together. A `TrainerBackend` itself."""
+
+    def __init__(self, trainer: TrainerBackend) -> None:
+        self.trainer = trainer
+        self.world_size = trainer.world_size
+
+    @property
+    def micro_batches(self) -> list[MicroBatch]:
+        return self.trainer.micro_batches
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        broadcast(Step(batch=batch))
+        return self.trainer.step(batch)
+
+    def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        return self.trainer.weight_specs()
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        broadcast(Sync())
+        return self.trainer.full_weights()
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        broadcast(Adapter())
+        return self.trainer.adapter_weights()
+
+    def adapter_config(self) -> dict[str, Any]:
+        return self.trainer.adapter_config()
+
+    def save(self, path: Path) -> dict[str, Any]:
+        broadcast(Save(path=str(path)))
+        return self.trainer.save(path)
+
+    def load(self, path: Path, rest: dict[str, Any]) -> None:
+        broadcast(Load(path=str(path), rest=msgspec.msgpack.encode(rest)))
+        self.trainer.load(path, rest)
+
+    def stop(self) -> None:
+        """Release the followers (the run is over)."""
+        broadcast(Stop())
+
+
+def follow(trainer: TrainerBackend) -> None:
+    """The loop of trainer ranks other than 0: make each collective call rank 0 announces."""
+    while True:
+        message = broadcast(None)
+        match message:
+            case Step(batch=batch):
+                trainer.step(batch)
+            case Sync():
+                for _ in trainer.full_weights():
+                    pass
+            case Adapter():
+                trainer.adapter_weights()
+            case Save(path=path):
+                trainer.save(Path(path))
+            case Load(path=path, rest=rest):
+                trainer.load(Path(path), msgspec.msgpack.decode(rest))
+            case Stop():
+                return
 
 
 def world_size() -> int:
@@ -27,9 +164,6 @@ def main_or_follow(run_controller: Callable[[], int], args: argparse.Namespace) 
     """Run the controller on rank 0 and the follower loop elsewhere; returns the exit code."""
     if world_size() <= 1:
         return run_controller()
-    import torch
-    import torch.distributed as dist
-
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -45,10 +179,7 @@ def main_or_follow(run_controller: Callable[[], int], args: argparse.Namespace) 
 
 def follow_rank(args: argparse.Namespace) -> int:
     """A rank other than 0: build the same trainer shard, then follow rank 0's messages."""
-    import torch
-
     from rollflow.config import load_config
-    from rollflow.controller import follow
     from rollflow.models import resolve_model
     from rollflow.trainer import Trainer
 

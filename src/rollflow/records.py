@@ -1,4 +1,4 @@
-"""The one vocabulary every stage speaks: Prompt, Sample, Group, Batch.
+"""The one vocabulary every stage speaks: Prompt, Sample, Group, TrainBatch.
 
 Records are frozen msgspec Structs; a stage that changes a record makes a new one with
 `msgspec.structs.replace`. High-volume records skip the cycle collector (`gc=False`): they
@@ -45,14 +45,6 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
 
 
-class Timing(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """Wall-clock marks of one sample (seconds, `time.monotonic`)."""
-
-    submitted: float
-    first_token: float | None = None
-    finished: float | None = None
-
-
 class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One completion of one prompt, with per-token provenance."""
 
@@ -85,16 +77,10 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     They count in `reward` too; `scoring.process_coef` also credits them to the tokens before them."""
     turns: int = 1
     """Model turns in the completion (more than one for a multi-turn episode)."""
-    timing: Timing | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.completion_token_ids)
-
-    @property
-    def min_version(self) -> int:
-        """Version of the oldest token (its staleness decides the sample's lag)."""
-        return min(self.versions) if self.versions else -1
 
 
 class Group(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -106,23 +92,6 @@ class Group(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     token_advantages: list[list[float] | None] = []
     """Per sample, per completion token advantage added to the sample's (process rewards); None
     for none. Empty when no sample of the group has process rewards."""
-
-
-class Batch(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """What one optimizer step consumes."""
-
-    step: int
-    groups: list[Group]
-
-    @property
-    def samples(self) -> list[Sample]:
-        return [s for g in self.groups for s in g.samples]
-
-    @property
-    def version_spread(self) -> tuple[int, int]:
-        """(oldest, newest) token version in the batch."""
-        versions = [v for s in self.samples for v in s.versions]
-        return (min(versions), max(versions)) if versions else (-1, -1)
 
 
 class TrainSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -154,3 +123,7 @@ class TrainBatch(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     samples: list[TrainSample]
     max_tokens: int
     """The sampling budget per completion (the constant of `dr_grpo` normalisation)."""
+
+
+Batch = TrainBatch
+"""The public name of what one optimizer step consumes (`rollflow.Batch`)."""

@@ -19,13 +19,12 @@ request and re-raises. Scoring and grouping happen elsewhere.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import msgspec
 
 from rollflow.engine import Engine, EngineOutput, PartialMode
 from rollflow.errors import EngineDeadError, EngineError
-from rollflow.records import Prompt, Sample, SamplingSpec, Timing
+from rollflow.records import Prompt, Sample, SamplingSpec
 
 MAX_INTERRUPTIONS = 64
 """A sample preempted more often than this is an error: updates are outpacing generation."""
@@ -108,8 +107,6 @@ async def rollout(
     )
     interruptions = start.interruptions
     resumed = bool(start.tokens or start.interruptions)
-    submitted = time.monotonic()
-    first_token: float | None = None
     while True:
         if len(tokens) >= sampling.max_tokens:  # a saved prefix that had used the whole budget
             finish_reason = "length"
@@ -130,8 +127,6 @@ async def rollout(
             raise
         finally:
             progress.request_id = None
-        if first_token is None and out.token_ids:
-            first_token = time.monotonic()
         if out.finish_reason == "preempted":
             interruptions += 1
             if interruptions > MAX_INTERRUPTIONS:
@@ -163,7 +158,6 @@ async def rollout(
         finish_reason=finish_reason,
         sampling=sampling,
         interruptions=interruptions,
-        timing=Timing(submitted=submitted, first_token=first_token, finished=time.monotonic()),
     )
     progress.saved = PartialSample(done=sample)
     return sample

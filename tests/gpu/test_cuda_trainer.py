@@ -29,16 +29,11 @@ def test_chunked_logprobs_match_full_logits_on_cuda(dtype):
     assert torch.allclose(grads[1].float(), weight.grad.float(), atol=tol, rtol=tol)
 
 
-def test_bf16_trainer_step_on_cuda():
-    import sys
-    from pathlib import Path
+def test_bf16_trainer_step_on_cuda(make_batch):
 
     from rollflow.config import TrainerConfig
     from rollflow.models import tiny_model_path
     from rollflow.trainer import Trainer
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-    from test_trainer import make_batch
 
     trainer = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3, dtype="bfloat16"))
     assert trainer.device.type == "cuda"

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from rollflow.config import LoRAConfig, TrainerConfig
-from rollflow.handoff import Step, broadcast
 from rollflow.models import tiny_model_path
+from rollflow.ranks import Step, broadcast
 from rollflow.records import TrainBatch
 from rollflow.trainer import Trainer
 

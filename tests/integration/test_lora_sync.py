@@ -40,23 +40,17 @@ def peft_greedy(trainer: Trainer, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def trained_adapter(trainer: Trainer, seed: int) -> None:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-    from test_trainer import make_batch
-
+def trained_adapter(trainer: Trainer, make_batch, seed: int) -> None:
     batch = make_batch(trainer, seed=seed)
     for _ in range(3):
         trainer.step(batch)
 
 
-async def test_adapter_sync_matches_peft_and_in_flight_requests_finish_on_their_adapter(lora_engine):
+async def test_adapter_sync_matches_peft_and_in_flight_requests_finish_on_their_adapter(lora_engine, make_batch):
     engine = lora_engine
     trainer = Trainer(tiny_model_path(0), TrainerConfig(lr=5e-2, lora=LoRAConfig(enabled=True, rank=8)))
     base = peft_greedy(trainer, PROMPT, 16)  # B = 0: the adapter starts as the base model
-    trained_adapter(trainer, seed=0)
+    trained_adapter(trainer, make_batch, seed=0)
     v1 = await engine.update_adapter(trainer.adapter_weights(), trainer.adapter_config())
     want_v1 = peft_greedy(trainer, PROMPT, 48)
     assert want_v1[:16] != base, "training must have changed the adapter's output"
@@ -70,7 +64,7 @@ async def test_adapter_sync_matches_peft_and_in_flight_requests_finish_on_their_
     task = asyncio.create_task(rollout(engine, Prompt(id="lf", token_ids=PROMPT), long, group_id="lf", index=0))
     while engine.num_live == 0:
         await asyncio.sleep(0.005)
-    trained_adapter(trainer, seed=1)
+    trained_adapter(trainer, make_batch, seed=1)
     v2 = await engine.update_adapter(trainer.adapter_weights(), trainer.adapter_config())
     assert engine.loaded_adapters == [v1, v2]  # v1 stays loaded while in use
     sample = await task

@@ -8,7 +8,7 @@ import math
 import msgspec
 import pytest
 
-from rollflow.handoff import train_sample
+from rollflow.batch import train_sample
 from rollflow.models import tiny_model_path
 from rollflow.records import Prompt, SamplingSpec
 from rollflow.rollout import rollout

@@ -19,9 +19,6 @@ from rollflow.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from test_trainer import make_batch  # noqa: E402
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -30,7 +27,7 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_fsdp2_ranks_equal_one_rank(tmp_path, lora):
+def test_two_fsdp2_ranks_equal_one_rank(tmp_path, lora, make_batch, close):
     config = TrainerConfig(lr=1e-3, micro_batch_tokens=40, lora=LoRAConfig(enabled=lora, rank=4))
     single = Trainer(tiny_model_path(0), config)
     batch = make_batch(single, n=7)
@@ -53,8 +50,10 @@ def test_two_fsdp2_ranks_equal_one_rank(tmp_path, lora):
     weights = dict(single.full_weights())
 
     assert grads.keys() == result["grads"].keys() and grads
+    # FSDP2 reduce-scatters gradients across ranks: every element is summed in another order
+    # than on one rank, so compare against each tensor's scale, not element by element.
     for name, g in grads.items():
-        assert torch.allclose(result["grads"][name], g, atol=1e-6, rtol=1e-4), name
+        close(result["grads"][name], g, rel=1e-4, name=name)
     assert weights.keys() == result["weights"].keys()
     # Adam's first step moves every weight by about lr · sign(g), so a gradient within float noise
     # of zero can land a few elements up to a fraction of lr apart; everything else agrees to 1e-5.
@@ -66,7 +65,7 @@ def test_two_fsdp2_ranks_equal_one_rank(tmp_path, lora):
         assert metrics[key] == pytest.approx(want_metrics[key], rel=1e-4, abs=1e-6), key
 
 
-def test_fsdp2_ranks_save_and_restore_a_checkpoint(tmp_path):
+def test_fsdp2_ranks_save_and_restore_a_checkpoint(tmp_path, make_batch):
     """Each rank writes its shard with torch.distributed.checkpoint; a fresh trainer on every rank
     loads them and takes the same next step as the original, to the bit."""
     config = TrainerConfig(lr=1e-3, micro_batch_tokens=40)

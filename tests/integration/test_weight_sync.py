@@ -107,9 +107,7 @@ async def _start_receiving(engine, port: int):
 
 
 @pytest.mark.parametrize("fault", ["killed", "stalled"])
-async def test_dead_or_stalled_sender_fails_within_deadline_and_engine_keeps_old_weights(
-    engine_on_a, model_a, fault
-):
+async def test_dead_or_stalled_sender_fails_within_deadline_and_engine_keeps_old_weights(engine_on_a, model_a, fault):
     engine = engine_on_a
     want_a = model_a.greedy(PROMPT, 20)[0]
     version = engine.version
@@ -139,15 +137,12 @@ async def test_dead_or_stalled_sender_fails_within_deadline_and_engine_keeps_old
     assert await greedy(engine) == want_a  # old weights, still serving
 
 
-async def test_two_fsdp2_ranks_sync_into_the_engine(engine_on_a, model_a, tmp_path):
+async def test_two_fsdp2_ranks_sync_into_the_engine(engine_on_a, model_a, tmp_path, make_batch):
     """Two trainer ranks step under FSDP2, gather in lockstep, and rank 0 sends over gloo."""
     import msgspec
 
     from rollflow.models import tiny_model_path
     from rollflow.trainer import Trainer
-
-    sys.path.insert(0, str(HERE.parent / "unit"))
-    from test_trainer import make_batch
 
     engine = engine_on_a
     port = free_port()

@@ -8,17 +8,18 @@ import errno
 import json
 
 import pytest
-from test_controller import FakeTokenizer
 
-import rollflow.controller as controller_module
 from rollflow.checkpoint import PendingGroup, RunState, checkpoints, latest_checkpoint, read_state, save_checkpoint
 from rollflow.config import load_config
 from rollflow.controller import Controller
-from rollflow.engine.fake import EOS_TOKEN, FakeEngine, _mix, context_state, fake_token
 from rollflow.errors import CheckpointError, TrainingError, UserInputError
 from rollflow.ledger import summarize
-from rollflow.trainer import FakeTrainer
-from rollflow.weight_sync import NullTransport
+from rollflow.testing import (
+    FakeEngine,
+    FakeTokenizer,
+    FakeTrainer,
+    NullTransport,
+)
 
 MAX_TOKENS = 24
 
@@ -42,30 +43,9 @@ def jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def record_groups(monkeypatch) -> list:
-    """Every group the controller puts into a batch, in order."""
-    seen: list = []
-    build = controller_module.build_batch
-
-    def recording(step, groups, **kwargs):
-        seen.extend(groups)
-        return build(step, groups, **kwargs)
-
-    monkeypatch.setattr(controller_module, "build_batch", recording)
-    return seen
-
-
-def assert_tokens_are_what_their_versions_produce(prompt_ids, tokens, versions):
-    """FakeEngine's token after a context is a hash of (context, version): replaying the
-    sample shows every token was computed by exactly the version it is labelled with."""
-    state = context_state(prompt_ids)
-    for token, version in zip(tokens, versions, strict=True):
-        if token != EOS_TOKEN:
-            assert token == fake_token(state, version, 1000)[0]
-        state = _mix(state, token)
-
-
-async def test_a_stop_saves_work_in_flight_and_resume_continues_it_exactly(tmp_path, monkeypatch):
+async def test_a_stop_saves_work_in_flight_and_resume_continues_it_exactly(
+    tmp_path, record_groups, assert_versions_exact
+):
     first = make(tmp_path, on_step=lambda row: row["step"] == 1 and first.request_stop())
     result = await asyncio.wait_for(first.run(), 60)
     assert result.stopped and result.steps == 2
@@ -81,7 +61,7 @@ async def test_a_stop_saves_work_in_flight_and_resume_continues_it_exactly(tmp_p
     assert partial, "the checkpoint should hold samples stopped mid-generation"
     assert all(len(s.versions) == len(s.tokens) == len(s.logprobs) for s in partial.values())
 
-    trained_groups = record_groups(monkeypatch)
+    trained_groups = record_groups
     resumed = await asyncio.wait_for(make(tmp_path, resume=True).run(), 60)
     assert resumed.first_step == 2 and not resumed.stopped
     metrics = jsonl(tmp_path / "metrics.jsonl")
@@ -92,7 +72,7 @@ async def test_a_stop_saves_work_in_flight_and_resume_continues_it_exactly(tmp_p
     for group in trained_groups:
         for i, sample in enumerate(group.samples):
             saved = partial.get((group.prompt.id, i))
-            assert_tokens_are_what_their_versions_produce(
+            assert_versions_exact(
                 sample.prompt_token_ids, sample.completion_token_ids, sample.versions
             )
             if saved is None:

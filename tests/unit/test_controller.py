@@ -13,37 +13,8 @@ import time
 import pytest
 
 from rollflow.buffer import Admission, lags, withhold_stale
-from rollflow.config import load_config
 from rollflow.controller import Controller
-from rollflow.engine.fake import FakeEngine
-from rollflow.trainer import FakeTrainer
-from rollflow.weight_sync import NullTransport
-
-
-class FakeTokenizer:
-    """Characters are token ids; the chat template joins role and content."""
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        return [ord(c) % 997 + 1 for m in messages for c in m["content"]]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(str(i % 10) if i % 3 == 0 else "x" for i in ids)
-
-
-def config(max_tokens: int = 12, **run):
-    overrides = [f"run.{k}={v}" for k, v in run.items()]
-    return load_config(preset="tiny", overrides=["run.reward=digits", f"sampling.max_tokens={max_tokens}", *overrides])
-
-
-async def run_fake(tmp_path, engine, trainer=None, max_tokens=12, **run):
-    trainer = trainer or FakeTrainer()
-    controller = Controller(
-        config(max_tokens, **run), tmp_path, engine=engine, trainer=trainer, transport=NullTransport(),
-        tokenizer=FakeTokenizer(),
-    )
-    result = await asyncio.wait_for(controller.run(), 60)
-    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
-    return result, trainer, ledger, controller
+from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
 
 
 def test_admission_capacity_rule():
@@ -60,7 +31,7 @@ def test_lags_and_withholding():
 
 
 @pytest.mark.timeout(60)
-async def test_synchronous_mode_trains_only_lag_zero_tokens(tmp_path):
+async def test_synchronous_mode_trains_only_lag_zero_tokens(tmp_path, run_fake):
     result, trainer, ledger, _ = await run_fake(tmp_path, FakeEngine(token_delay=0.001), max_lag=0, max_steps=4)
     assert result.steps == 4
     for _step, batch in enumerate(trainer.batches):
@@ -75,7 +46,7 @@ async def test_synchronous_mode_trains_only_lag_zero_tokens(tmp_path):
 
 
 @pytest.mark.timeout(60)
-async def test_async_mode_respects_the_bound_and_accounts_every_prompt(tmp_path):
+async def test_async_mode_respects_the_bound_and_accounts_every_prompt(tmp_path, run_fake):
     engine = FakeEngine(token_delay=0.002)
     result, _trainer, ledger, controller = await run_fake(
         tmp_path, engine, FakeTrainer(step_s=0.05), max_lag=2, max_steps=6
@@ -91,7 +62,7 @@ async def test_async_mode_respects_the_bound_and_accounts_every_prompt(tmp_path)
 
 
 @pytest.mark.timeout(60)
-async def test_stragglers_past_the_bound_are_withheld_not_dropped(tmp_path):
+async def test_stragglers_past_the_bound_are_withheld_not_dropped(tmp_path, run_fake):
     # Every third prompt is a straggler: its group decodes 80 tokens slowly while short groups
     # keep the trainer stepping, so its early tokens outlive max_lag by the time it is consumed.
     def length(prompt):
@@ -110,14 +81,14 @@ async def test_stragglers_past_the_bound_are_withheld_not_dropped(tmp_path):
 
 
 @pytest.mark.timeout(60)
-async def test_cancelling_a_run_mid_step_still_accounts_every_started_prompt(tmp_path):
+async def test_cancelling_a_run_mid_step_still_accounts_every_started_prompt(tmp_path, tiny_config):
     engine = FakeEngine(token_delay=0.001)
     controller = Controller(
-        config(max_steps=1000, max_lag=1), tmp_path, engine=engine, trainer=FakeTrainer(step_s=0.05),
+        tiny_config(max_steps=1000, max_lag=1), tmp_path, engine=engine, trainer=FakeTrainer(step_s=0.05),
         transport=NullTransport(), tokenizer=FakeTokenizer(),
     )
     task = asyncio.create_task(controller.run())
-    while controller._trained < 12:
+    while getattr(controller, "accounting", None) is None or controller.accounting.trained < 12:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.02)  # most likely inside a trainer step now
     task.cancel()
@@ -130,11 +101,11 @@ async def test_cancelling_a_run_mid_step_still_accounts_every_started_prompt(tmp
     assert engine.num_live == 0  # every in-flight request was aborted
 
 
-async def test_an_output_directory_with_a_run_is_refused(tmp_path):
+async def test_an_output_directory_with_a_run_is_refused(tmp_path, tiny_config):
     from rollflow.errors import UserInputError
 
     (tmp_path / "ledger.jsonl").write_text('{"id": "x", "outcome": "trained", "step": 0}\n')
-    controller = Controller(config(), tmp_path, engine=FakeEngine(), trainer=FakeTrainer(),
+    controller = Controller(tiny_config(), tmp_path, engine=FakeEngine(), trainer=FakeTrainer(),
                             transport=NullTransport(), tokenizer=FakeTokenizer())
     with pytest.raises(UserInputError, match="already holds a run"):
         await controller.run()
@@ -175,10 +146,10 @@ class _TimedTrainer(FakeTrainer):
 
 
 @pytest.mark.timeout(60)
-async def test_next_step_trains_while_the_engine_loads_the_last_weights(tmp_path):
+async def test_next_step_trains_while_the_engine_loads_the_last_weights(tmp_path, tiny_config):
     engine, trainer, transport = FakeEngine(token_delay=0.0005), _TimedTrainer(step_s=0.05), _SlowLoad(0.3)
     controller = Controller(
-        config(max_lag=2, max_steps=4), tmp_path, engine=engine, trainer=trainer, transport=transport,
+        tiny_config(max_lag=2, max_steps=4), tmp_path, engine=engine, trainer=trainer, transport=transport,
         tokenizer=FakeTokenizer(),
     )
     result = await asyncio.wait_for(controller.run(), 60)
@@ -196,7 +167,7 @@ async def test_next_step_trains_while_the_engine_loads_the_last_weights(tmp_path
 
 
 @pytest.mark.timeout(60)
-async def test_trainer_steps_run_on_one_thread_bound_to_trainer_cpus(tmp_path):
+async def test_trainer_steps_run_on_one_thread_bound_to_trainer_cpus(tmp_path, run_fake):
     if not hasattr(os, "sched_getaffinity"):
         pytest.skip("CPU affinity is Linux-only")
     core = min(os.sched_getaffinity(0))
@@ -213,7 +184,7 @@ class _FreezeProbe(FakeTrainer):
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-async def test_startup_objects_are_kept_out_of_the_collector_while_the_run_trains(tmp_path, enabled):
+async def test_startup_objects_are_kept_out_of_the_collector_while_the_run_trains(tmp_path, enabled, run_fake):
     assert gc.get_freeze_count() == 0
     trainer = _FreezeProbe()
     trainer.frozen = []

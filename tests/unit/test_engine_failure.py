@@ -6,16 +6,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_checkpoint import MAX_TOKENS, assert_tokens_are_what_their_versions_produce, record_groups
-from test_controller import FakeTokenizer
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
-from rollflow.engine.fake import FakeEngine
 from rollflow.errors import EngineDeadError
 from rollflow.ledger import summarize
-from rollflow.trainer import FakeTrainer
-from rollflow.weight_sync import NullTransport
+from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
+
+MAX_TOKENS = 24
 
 
 class MortalEngine(FakeEngine):
@@ -67,9 +65,11 @@ def make(tmp_path, engines: list[MortalEngine], die_after: list[int | None], **s
     )
 
 
-async def test_a_dead_engine_is_restarted_and_samples_continue_where_they_were(tmp_path, monkeypatch):
+async def test_a_dead_engine_is_restarted_and_samples_continue_where_they_were(
+    tmp_path, record_groups, assert_versions_exact
+):
     engines: list[MortalEngine] = []
-    groups = record_groups(monkeypatch)
+    groups = record_groups
     # 16 samples of 24 tokens per step: the first engine dies in the middle of the third step's work.
     controller = make(tmp_path, engines, die_after=[2 * 16 * MAX_TOKENS + 100, None])
     result = await asyncio.wait_for(controller.run(), 60)
@@ -83,7 +83,7 @@ async def test_a_dead_engine_is_restarted_and_samples_continue_where_they_were(t
     for group in groups:
         for sample in group.samples:
             # Every token, before and after the death, is what its labelled version computes.
-            assert_tokens_are_what_their_versions_produce(
+            assert_versions_exact(
                 sample.prompt_token_ids, sample.completion_token_ids, sample.versions
             )
             n = cut.get(f"{sample.group_id}/{sample.index}")
@@ -92,7 +92,7 @@ async def test_a_dead_engine_is_restarted_and_samples_continue_where_they_were(t
                 assert max(sample.versions[:n]) <= dead_at <= min(sample.versions[n:])
     assert continued > 0
     summary = summarize(tmp_path)
-    assert summary.ok and summary.trained + sum(summary.dropped.values()) == controller._group_seq
+    assert summary.ok and summary.trained + sum(summary.dropped.values()) == controller.producer.group_seq
 
 
 async def test_an_engine_that_keeps_dying_stops_the_run_with_a_clear_error(tmp_path):
@@ -102,4 +102,4 @@ async def test_an_engine_that_keeps_dying_stops_the_run_with_a_clear_error(tmp_p
         await asyncio.wait_for(controller.run(), 60)
     assert len(engines) == 2
     summary = summarize(tmp_path)  # everything started is still accounted for, once
-    assert summary.duplicates == [] and summary.trained + sum(summary.dropped.values()) == controller._group_seq
+    assert summary.duplicates == [] and summary.trained + sum(summary.dropped.values()) == controller.producer.group_seq

@@ -225,9 +225,7 @@ def test_load_environment_names_the_field():
 async def test_controller_trains_episodes_with_environment_tokens_masked(tmp_path, chat):
     from rollflow.config import load_config
     from rollflow.controller import Controller
-    from rollflow.engine.fake import FakeEngine
-    from rollflow.trainer import FakeTrainer
-    from rollflow.weight_sync import NullTransport
+    from rollflow.testing import FakeEngine, FakeTrainer, NullTransport
 
     config = load_config(
         preset="tiny",
@@ -268,16 +266,13 @@ async def test_controller_trains_episodes_with_environment_tokens_masked(tmp_pat
 
 
 @pytest.mark.timeout(120)
-async def test_stop_and_resume_restarts_unfinished_episodes_and_keeps_finished_ones(tmp_path, chat, monkeypatch):
-    from test_checkpoint import record_groups
+async def test_stop_and_resume_restarts_unfinished_episodes_and_keeps_finished_ones(tmp_path, chat, record_groups):
 
     from rollflow.checkpoint import latest_checkpoint, read_state
     from rollflow.config import load_config
     from rollflow.controller import Controller
-    from rollflow.engine.fake import FakeEngine
     from rollflow.ledger import summarize
-    from rollflow.trainer import FakeTrainer
-    from rollflow.weight_sync import NullTransport
+    from rollflow.testing import FakeEngine, FakeTrainer, NullTransport
 
     created = itertools.count()
     hanging = [True]
@@ -312,7 +307,7 @@ async def test_stop_and_resume_restarts_unfinished_episodes_and_keeps_finished_o
     finished = {(s.done.prompt_id, s.done.index): s.done for s in saved if s.done is not None}
     assert saved and all(s.tokens == [] for s in saved)  # an unfinished episode is saved as not started
     assert finished, "the checkpoint should hold finished episodes of unfinished groups"
-    trained = record_groups(monkeypatch)
+    trained = record_groups
     hanging[0] = False
     resumed = await asyncio.wait_for(make(resume=True).run(), 60)
     assert resumed.steps == 3 and summarize(tmp_path).ok

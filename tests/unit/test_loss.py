@@ -19,9 +19,10 @@ def _inputs(n: int, h: int, v: int, seed: int = 0):
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Within 1e-5 in float32, relative to the tensor's scale: sums over 49,152 terms in a
-    different order differ by ~1e-5 on gradients of size ~7."""
-    return (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+    """Within 1e-4 in float32, relative to the tensor's scale: a gradient summed over 49,152 vocabulary
+    terms in another order differs by up to ~1.3e-5 of its scale (measured on an AVX2 CPU;
+    float32's eps × sqrt(49,152) ≈ 2.6e-5 is the expected size), so 1e-4 holds for any order."""
+    return (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
 
 
 @pytest.mark.parametrize(

@@ -102,7 +102,7 @@ async def test_a_remote_server_gets_the_same_calls_over_its_rl_endpoints():
     await server.start_server()
     try:
         engine = await RemoteEngine(f"http://127.0.0.1:{server.port}").start()
-        client = EngineClient(engine.weight_transfer_api, asyncio.get_running_loop())
+        client = EngineClient(engine.weight_transfer_api(), asyncio.get_running_loop())
 
         await asyncio.to_thread(weight_transfer_calls, client)
         await engine.aclose()

@@ -9,15 +9,12 @@ import json
 import time
 
 import pytest
-from test_controller import FakeTokenizer, config, run_fake
 
 from rollflow.controller import Controller
-from rollflow.engine.fake import FakeEngine
 from rollflow.metrics import ConsoleSink, JsonlSink, LoopLag, TensorBoardSink, flatten, histogram
 from rollflow.plots import lag_histogram, plot, report, union
+from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
 from rollflow.trace import Trace, load_trace
-from rollflow.trainer import FakeTrainer
-from rollflow.weight_sync import NullTransport
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -32,7 +29,7 @@ def mean(values):
 
 
 @pytest.mark.timeout(60)
-async def test_synchronous_run_idles_each_side_for_the_others_share(tmp_path):
+async def test_synchronous_run_idles_each_side_for_the_others_share(tmp_path, run_fake):
     # 12 tokens at 10 ms each: ≈ 0.12 s of generation per step, then a 0.12 s trainer step.
     # Synchronous, so each side waits for the other: both idle about half the time.
     engine, trainer = FakeEngine(token_delay=0.01), FakeTrainer(step_s=0.12)
@@ -48,7 +45,7 @@ async def test_synchronous_run_idles_each_side_for_the_others_share(tmp_path):
 
 
 @pytest.mark.timeout(60)
-async def test_asynchronous_run_with_a_slow_trainer_keeps_the_trainer_busy(tmp_path):
+async def test_asynchronous_run_with_a_slow_trainer_keeps_the_trainer_busy(tmp_path, run_fake):
     # Generation (≈ 12 ms a step) is far faster than training (0.1 s): with max_lag 2 the
     # trainer never waits after the first step, the engine idles most of the time, and the
     # batches are stale by up to 2 versions.
@@ -64,7 +61,7 @@ async def test_asynchronous_run_with_a_slow_trainer_keeps_the_trainer_busy(tmp_p
 
 
 @pytest.mark.timeout(60)
-async def test_metrics_count_unscorable_samples_by_reason(tmp_path):
+async def test_metrics_count_unscorable_samples_by_reason(tmp_path, tiny_config):
     seen = {"n": 0}
 
     def half(prompts, completions, **kwargs):  # every third sample has no reward
@@ -75,7 +72,7 @@ async def test_metrics_count_unscorable_samples_by_reason(tmp_path):
         return out
 
     controller = Controller(
-        config(max_steps=3), tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
+        tiny_config(max_steps=3), tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
         tokenizer=FakeTokenizer(), reward_funcs={"half": half},
     )
     result = await asyncio.wait_for(controller.run(), 60)
@@ -192,7 +189,7 @@ def test_union_merges_overlapping_intervals():
 
 
 @pytest.mark.timeout(60)
-async def test_fake_run_trace_plot_and_report(tmp_path):
+async def test_fake_run_trace_plot_and_report(tmp_path, run_fake):
     engine, trainer = FakeEngine(token_delay=0.002), FakeTrainer(step_s=0.02)
     result, _, _, _ = await run_fake(tmp_path / "run", engine, trainer, max_lag=1, max_steps=4)
     spans = load_trace(tmp_path / "run" / "trace.json")["spans"]

@@ -7,11 +7,11 @@ import asyncio
 import pytest
 
 from rollflow.engine import EngineOutput
-from rollflow.engine.fake import FakeEngine
 from rollflow.engine.pool import EnginePool, group_key
 from rollflow.errors import EngineDeadError
 from rollflow.records import Prompt, SamplingSpec
 from rollflow.rollout import rollout
+from rollflow.testing import FakeEngine
 
 SPEC = SamplingSpec(max_tokens=12)
 

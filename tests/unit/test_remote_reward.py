@@ -11,16 +11,13 @@ from pathlib import Path
 
 import pytest
 from aiohttp import ClientSession, web
-from test_controller import FakeTokenizer
 
 from rollflow.config import RewardConfig, dump_config, load_config
 from rollflow.controller import Controller
-from rollflow.engine.fake import FakeEngine
 from rollflow.ledger import summarize
 from rollflow.scoring import make_reward
 from rollflow.scoring.remote import RemoteReward, RemoteRewardError
-from rollflow.trainer import FakeTrainer
-from rollflow.weight_sync import NullTransport
+from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
 
 TOKEN = "s3cret-token-value"
 

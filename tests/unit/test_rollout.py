@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from rollflow.engine import spans_to_versions
-from rollflow.engine.fake import FakeEngine, _mix, context_state, fake_token
 from rollflow.records import Prompt, SamplingSpec
 from rollflow.rollout import rollout
+from rollflow.testing import FakeEngine, context_state, fake_token, mix
 
 PROMPT = Prompt(id="p0", token_ids=[5, 6, 7])
 SPEC = SamplingSpec(max_tokens=40)
@@ -22,7 +22,7 @@ def replay(prompt: list[int], tokens: list[int], versions: list[int]) -> tuple[l
         token, logprob = fake_token(state, version, 1000)
         out.append(token)
         logprobs.append(logprob)
-        state = _mix(state, token)
+        state = mix(state, token)
     return out, logprobs
 
 

@@ -118,7 +118,7 @@ def test_configured_rewards_resolve_or_name_the_field():
 
 
 def test_teacher_log_probs_become_centred_per_token_reverse_kl_advantages():
-    from rollflow.handoff import build_batch
+    from rollflow.batch import build_batch
     from rollflow.records import Group, Sample, SamplingSpec
 
     def sample(i, behaviour, teacher):
@@ -173,13 +173,9 @@ async def test_an_environment_reward_adds_to_the_functions_and_its_failure_wins(
 
 @pytest.mark.timeout(60)
 async def test_a_slow_reward_runs_beside_generation_within_its_concurrency_bound(tmp_path):
-    from test_controller import FakeTokenizer
-
     from rollflow.config import load_config
     from rollflow.controller import Controller
-    from rollflow.engine.fake import FakeEngine
-    from rollflow.trainer import FakeTrainer
-    from rollflow.weight_sync import NullTransport
+    from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
 
     # Completions of 2 to 16 tokens: groups finish generating at different times.
     engine = FakeEngine(token_delay=0.01, length_fn=lambda ids: 2 + sum(ids) % 15)

@@ -14,11 +14,11 @@ import pytest
 from rollflow.__main__ import main
 from rollflow.config import load_config
 from rollflow.controller import Controller
-from rollflow.engine.fake import FakeEngine
 from rollflow.records import SamplingSpec
-from rollflow.sim import Scenario, SimTokenizer, simulate
+from rollflow.sim import Scenario, simulate
 from rollflow.sim.components import EngineProfile, LengthModel, SimEngine, SimTrainer, SimTransport, TrainerProfile
 from rollflow.sim.loop import run_virtual
+from rollflow.testing import FakeEngine, FakeTokenizer
 
 FAST_ENGINE = EngineProfile(fixed_s=0.02, per_seq_s=0.001, max_num_seqs=64)
 FAST_TRAINER = TrainerProfile(s_per_token=1e-4, fixed_s=0.1, weight_bytes=10**9, sync_bytes_per_s=10e9)
@@ -115,8 +115,8 @@ def _controller(output_dir, clock):
     )
     trainer_profile = TrainerProfile(s_per_token=0.0, fixed_s=0.15, sync_fixed_s=0.02)
     return Controller(
-        config, output_dir, engine=FakeEngine(token_delay=0.01), trainer=SimTrainer(trainer_profile),
-        transport=SimTransport(trainer_profile), tokenizer=SimTokenizer(16), clock=clock,
+        config, output_dir, engine=FakeEngine(token_delay=0.01), runner=SimTrainer(trainer_profile),
+        transport=SimTransport(trainer_profile), tokenizer=FakeTokenizer(prompt_tokens=16), clock=clock,
     )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import random
 
 import msgspec
 import pytest
@@ -11,39 +10,15 @@ import torch
 
 from rollflow.config import LoRAConfig, LossConfig, TrainerConfig
 from rollflow.models import tiny_model_path
-from rollflow.records import TrainBatch, TrainSample
+from rollflow.records import TrainSample
 from rollflow.trainer import Trainer, plan_micro_batches, plan_shards
-
-
-def make_batch(trainer: Trainer, n: int = 6, seed: int = 0, **sampling) -> TrainBatch:
-    """Completions sampled from the model itself, with its own log-probs as behaviour (on-policy)."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    samples = []
-    for i in range(n):
-        prompt = [rng.randrange(3, 800) for _ in range(rng.randint(3, 9))]
-        with torch.no_grad():
-            out = trainer.lm.generate(
-                torch.tensor([prompt], device=trainer.device), do_sample=True, max_new_tokens=rng.randint(2, 12),
-                min_new_tokens=2,
-                temperature=sampling.get("temperature", 1.0), top_k=sampling.get("top_k", 0) or None,
-                top_p=sampling.get("top_p", 1.0), pad_token_id=0,
-            )
-        completion = out[0, len(prompt):].tolist()
-        samples.append(TrainSample(
-            input_ids=prompt + completion, prompt_len=len(prompt), logprobs=[0.0] * len(completion),
-            loss_mask=[1] * len(completion), advantage=(1.0 if i % 2 else -1.0) * (0.5 + i / n), **sampling,
-        ))
-    behaviour = trainer.score(samples)
-    samples = [msgspec.structs.replace(s, logprobs=lp) for s, lp in zip(samples, behaviour, strict=True)]
-    return TrainBatch(step=0, samples=samples, max_tokens=12)
 
 
 def params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.full_weights()}
 
 
-def test_step_on_policy_has_unit_ratios_and_changes_weights():
+def test_step_on_policy_has_unit_ratios_and_changes_weights(make_batch):
     trainer = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3))
     batch = make_batch(trainer, temperature=0.7, top_k=20)
     before = params(trainer)
@@ -65,17 +40,18 @@ def test_step_on_policy_has_unit_ratios_and_changes_weights():
     assert objective > 0
 
 
-def test_micro_batching_does_not_change_the_step():
+def test_micro_batching_does_not_change_the_step(make_batch, close):
     whole = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3, micro_batch_tokens=10_000))
     split = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3, micro_batch_tokens=24))
     batch = make_batch(whole)
     assert len(plan_micro_batches(batch.samples, list(range(6)), 24)) > 2
     s1, _, _ = whole.accumulate(batch)
     s2, _, _ = split.accumulate(batch)
-    assert s1[0].item() == pytest.approx(s2[0].item(), abs=1e-6)  # the loss
+    assert s1[0].item() == pytest.approx(s2[0].item(), rel=1e-5, abs=1e-6)  # the loss
     a, b = whole.gradients(), split.gradients()
     assert a.keys() == b.keys() and a
-    assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-4) for k in a)
+    for k in a:  # sums over micro-batches in another order: compare against each tensor's scale
+        close(a[k], b[k], rel=1e-4, name=k)
 
 
 def test_plans_cover_every_sample_once():
@@ -91,7 +67,7 @@ def test_plans_cover_every_sample_once():
     assert all(len(m) * max(batch_sizes[i] for i in m) <= 40 for m in micro)
 
 
-def test_lora_trains_only_the_adapter_and_merged_export_matches():
+def test_lora_trains_only_the_adapter_and_merged_export_matches(make_batch):
     from transformers import AutoModelForCausalLM
 
     trainer = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-2, lora=LoRAConfig(enabled=True, rank=4)))
@@ -114,7 +90,7 @@ def test_lora_trains_only_the_adapter_and_merged_export_matches():
     assert torch.allclose(got, want, atol=1e-4)
 
 
-def test_kl_to_reference_and_state_dict_round_trip():
+def test_kl_to_reference_and_state_dict_round_trip(make_batch):
     cfg = TrainerConfig(lr=1e-3)
     trainer = Trainer(tiny_model_path(0), cfg, LossConfig(kl_coef=0.5))
     batch = make_batch(trainer)
@@ -134,7 +110,7 @@ def test_kl_to_reference_and_state_dict_round_trip():
     assert all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)
 
 
-def test_a_non_finite_step_is_skipped_and_changes_nothing():
+def test_a_non_finite_step_is_skipped_and_changes_nothing(make_batch):
     trainer = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-2))
     batch = make_batch(trainer)
     poisoned = msgspec.structs.replace(
@@ -151,7 +127,7 @@ def test_a_non_finite_step_is_skipped_and_changes_nothing():
     assert any(not torch.equal(before[k], v) for k, v in params(trainer).items())
 
 
-def test_save_and_load_restore_weights_optimizer_and_schedule(tmp_path):
+def test_save_and_load_restore_weights_optimizer_and_schedule(tmp_path, make_batch):
     config = TrainerConfig(lr=1e-2, warmup_steps=3)
     a = Trainer(tiny_model_path(0), config)
     a.step(make_batch(a, seed=1))

@@ -5,15 +5,21 @@ reports the behaviour log-prob of every sampled token, and labels every token wi
 version whose weights computed it. Weight updates go through one critical section,
 `update_weights`, which bumps the version only when the new weights are fully loaded.
 
-The real backend is `rollflow.engine.vllm.VLLMEngine` (vLLM's AsyncLLM); `FakeEngine` in
-`rollflow.engine.fake` honours the same contract deterministically for unit tests.
+`ManagedEngine` adds what the controller and weight sync call besides streaming: start and
+close, a health check, the weight-update critical section (full weights or a LoRA adapter),
+worker RPCs, and the engines a weight load must reach (one, or a pool's members).
+
+The backends are `rollflow.engine.vllm.VLLMEngine` (vLLM's AsyncLLM in this process),
+`rollflow.engine.remote.RemoteEngine` (a vLLM server over HTTP) and
+`rollflow.engine.pool.EnginePool` (several of them as one); `rollflow.testing.FakeEngine`
+honours the same contracts deterministically for unit tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol, Self
 
 import msgspec
 
@@ -81,6 +87,60 @@ class Engine(Protocol):
 
     async def aclose(self) -> None:
         """Abort everything and release the engine's processes."""
+        ...
+
+
+class ManagedEngine(Engine, Protocol):
+    """An `Engine` the controller owns: it starts, stops, is watched, and takes weight updates."""
+
+    async def start(self) -> Self:
+        """Start the engine (processes, sessions); raises `EngineError` when it cannot."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise `EngineDeadError` if the engine is gone (a pool takes dead members out)."""
+        ...
+
+    async def update_weights_with(
+        self,
+        load: Callable[[], Awaitable[object]],
+        *,
+        partial: PartialMode = "keep",
+        deadline_s: float | None = None,
+        version: int | None = None,
+    ) -> int:
+        """The critical section around `load()` (a transport moving staged weights into the
+        workers): pause -> load -> label -> reset the prefix cache -> resume; returns the new
+        version (`version`: label the weights with it instead of the next one)."""
+        ...
+
+    async def update_adapter(
+        self,
+        tensors: dict[str, Any],
+        adapter_config: dict[str, Any],
+        *,
+        partial: PartialMode = "keep",
+        version: int | None = None,
+    ) -> int:
+        """Adapter-only sync: serve this LoRA adapter as the next version (or `version`)."""
+        ...
+
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call a `rollflow.engine.worker.WorkerExtension` method on every worker addressed."""
+        ...
+
+    def engines(self) -> list[ManagedEngine]:
+        """Every live engine behind this one: itself, or a pool's members."""
+        ...
+
+    def targets(self) -> list[ManagedEngine]:
+        """The engines a weight load addresses now: inside a pool member's critical section that
+        member alone, else `engines()`."""
+        ...
+
+    def weight_transfer_api(self) -> Any:
+        """vLLM's weight-transfer calls for this engine (the NCCL transport); raises
+        `WeightSyncError` for an engine that has none."""
         ...
 
 
@@ -152,6 +212,7 @@ __all__ = [
     "Engine",
     "EngineOutput",
     "FinishReason",
+    "ManagedEngine",
     "PartialMode",
     "Stage",
     "Weights",

@@ -7,10 +7,10 @@ the engine (the controller calls it again to replace one that died). It does not
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from rollflow.config import Config, EngineConfig
+from rollflow.engine import ManagedEngine
 from rollflow.engine.pool import EnginePool
 from rollflow.engine.remote import RemoteEngine
 from rollflow.engine.vllm import VLLMEngine
@@ -35,10 +35,10 @@ def check_engines(cfg: Config) -> None:
         raise ConfigError("engine.urls: adapter-only (LoRA) sync needs one in-process engine")
 
 
-def make_engine(model_path: Path, engine_config: EngineConfig, cfg: Config) -> Any:
+def make_engine(model_path: Path, engine_config: EngineConfig, cfg: Config) -> ManagedEngine:
     """The engine `engine.urls` describes: one in-process engine, one server, or a pool."""
     urls = engine_config.urls or ["local"]
-    members = [
+    members: list[ManagedEngine] = [
         VLLMEngine(model_path, engine_config, dtype=cfg.model.dtype)
         if url == "local"
         else RemoteEngine(url, engine_config)

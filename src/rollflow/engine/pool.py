@@ -27,8 +27,8 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
-from rollflow.engine import EngineOutput, PartialMode, Weights
-from rollflow.errors import EngineDeadError
+from rollflow.engine import EngineOutput, ManagedEngine, PartialMode, Weights
+from rollflow.errors import EngineDeadError, WeightSyncError
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def group_key(request_id: str) -> str:
 class EnginePool:
     """One `Engine` over several."""
 
-    def __init__(self, members: list[Any]) -> None:
+    def __init__(self, members: list[ManagedEngine]) -> None:
         if not members:
             raise ValueError("an engine pool needs at least one engine")
         self.members = list(members)
@@ -198,11 +198,28 @@ class EnginePool:
             self._version = new_version
             return new_version
 
-    def targets(self) -> list[Any]:
+    async def update_adapter(
+        self,
+        tensors: dict[str, Any],
+        adapter_config: dict[str, Any],
+        *,
+        partial: PartialMode = "keep",
+        version: int | None = None,
+    ) -> int:
+        raise WeightSyncError("an engine pool takes full weights only; LoRA adapters need one in-process engine")
+
+    def engines(self) -> list[ManagedEngine]:
+        """The live members (dead ones are taken out)."""
+        return list(self.members)
+
+    def targets(self) -> list[ManagedEngine]:
         """The engines a weight load addresses now: the one whose critical section is running,
         or all of them."""
         current = _current.get()
         return [current] if current is not None else list(self.members)
+
+    def weight_transfer_api(self) -> Any:
+        raise WeightSyncError("the nccl transport drives one engine; an engine pool uses gloo or checkpoint")
 
     async def _each(self, call: Callable[[Any], Awaitable[object]]) -> None:
         """`call` on every engine at once; engines that die are taken out, other errors raised."""

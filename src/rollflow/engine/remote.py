@@ -38,8 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from rollflow.config import EngineConfig
-from rollflow.engine import EngineOutput, PartialMode, Weights, critical_section, spans_to_versions
-from rollflow.errors import EngineDeadError, EngineError
+from rollflow.engine import (
+    EngineOutput,
+    ManagedEngine,
+    PartialMode,
+    Weights,
+    critical_section,
+    spans_to_versions,
+)
+from rollflow.errors import EngineDeadError, EngineError, WeightSyncError
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -79,7 +86,7 @@ def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, po
 def serve_environment(config: EngineConfig) -> dict[str, str]:
     """Environment of the server process: `engine_environment` under the user's own settings,
     with the RL and developer endpoints on (/pause, /resume, weight labels, /collective_rpc)."""
-    from rollflow.engine.vllm import engine_environment
+    from rollflow.engine.environment import engine_environment
 
     return engine_environment(config) | dict(os.environ) | {"VLLM_SERVER_DEV_MODE": "1"}
 
@@ -315,7 +322,24 @@ class RemoteEngine:
             self._version = new_version
         return self._version
 
-    @property
+    async def update_adapter(
+        self,
+        tensors: dict[str, Any],
+        adapter_config: dict[str, Any],
+        *,
+        partial: PartialMode = "keep",
+        version: int | None = None,
+    ) -> int:
+        raise WeightSyncError(
+            f"{self.url}: a remote engine takes full weights only; LoRA adapters need an in-process engine"
+        )
+
+    def engines(self) -> list[ManagedEngine]:
+        return [self]
+
+    def targets(self) -> list[ManagedEngine]:
+        return [self]
+
     def weight_transfer_api(self) -> WeightTransferAPI:
         """vLLM's weight-transfer calls (what the `nccl` transport drives) over this server's endpoints."""
         return WeightTransferAPI(self)

@@ -1,7 +1,8 @@
 """The vLLM backend: an in-process `AsyncLLM` behind rollflow's `Engine` contract.
 
-Every vLLM call rollflow makes lives in this file, so a vLLM upgrade (CPU 0.32, GPU 0.33)
-changes one place. What it adds on top of AsyncLLM:
+Every vLLM call rollflow makes lives in this file and its neighbours (`engine.environment`:
+process settings and `SamplingParams`; `engine.adapters`: LoRA adapter folders; `engine.worker`:
+the worker side), so a vLLM upgrade (CPU 0.32, GPU 0.33) changes one package. What it adds on top of AsyncLLM:
 
 - token-in/token-out streaming with the sampled token's log-prob per token;
 - exact per-token versions. The version label is attached by vLLM's engine core to each step's
@@ -28,53 +29,23 @@ from pathlib import Path
 from typing import Any
 
 from rollflow.config import EngineConfig
-from rollflow.engine import EngineOutput, PartialMode, Stage, Weights, critical_section, spans_to_versions
+from rollflow.engine import (
+    EngineOutput,
+    ManagedEngine,
+    PartialMode,
+    Stage,
+    Weights,
+    critical_section,
+    spans_to_versions,
+)
+from rollflow.engine.adapters import Adapters
+from rollflow.engine.environment import prepare_environment, sampling_params
 from rollflow.errors import EngineDeadError, EngineError, WeightSyncError
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "rollflow.engine.worker.WorkerExtension"
-
-
-def engine_environment(config: EngineConfig) -> dict[str, str]:
-    """Environment variables vLLM reads at import, for any vLLM process rollflow starts: the CPU
-    platform and its threads when there is no GPU, quiet logs."""
-    import torch
-
-    env = {"VLLM_LOGGING_LEVEL": "WARNING"}
-    if not torch.cuda.is_available():
-        env |= {"VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": str(config.threads)}
-    return env
-
-
-def prepare_environment(config: EngineConfig) -> None:
-    """Set `engine_environment` for an in-process engine, plus one engine process (the worker
-    inside the engine core) instead of two on CPU. Values the user already set win. Must run
-    before `vllm` is imported."""
-    env = engine_environment(config) | {"VLLM_CONFIGURE_LOGGING": "1"}
-    if env.get("VLLM_TARGET_DEVICE") == "cpu":
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    for key, value in env.items():
-        os.environ.setdefault(key, value)
-
-
-def _sampling_params(sampling: SamplingSpec, deltas: bool = True) -> Any:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k if sampling.top_k > 0 else -1,
-        max_tokens=sampling.max_tokens,
-        ignore_eos=sampling.ignore_eos,
-        seed=sampling.seed,
-        logprobs=0,  # the sampled token's log-prob only
-        # FINAL_ONLY spares the client one Python round trip per token when nobody watches.
-        output_kind=RequestOutputKind.DELTA if deltas else RequestOutputKind.FINAL_ONLY,
-        detokenize=False,
-    )
 
 
 class VLLMEngine:
@@ -96,10 +67,8 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._aborted: set[str] = set()
         self._live: set[str] = set()
-        self._adapters: dict[int, Any] = {}
+        self.adapters = Adapters()
         """Loaded LoRA adapters by version (adapter-only sync); version 0 is the base model."""
-        self._adapter_users: dict[int, int] = {}
-        self._adapter_dir: Path | None = None
         self.salt_prefix_cache = True
         """Salt prefix-cache keys with the version (tests turn this off to show the stale-KV bug)."""
         self.reset_prefix_cache_on_update = True
@@ -198,14 +167,12 @@ class VLLMEngine:
             prompt["cache_salt"] = f"v{self._version}"
         # With adapter-only sync a request keeps the adapter it started with to the end, so all
         # its tokens carry that adapter's version.
-        adapter_version = self._version if self._adapters else None
-        lora = self._adapters.get(adapter_version) if adapter_version is not None else None
-        if adapter_version is not None:
-            self._adapter_users[adapter_version] = self._adapter_users.get(adapter_version, 0) + 1
+        adapter_version = self._version if self.adapters.loaded else None
+        lora = self.adapters.use(adapter_version) if adapter_version is not None else None
         self._live.add(request_id)
         produced = 0
         try:
-            async for out in llm.generate(prompt, _sampling_params(sampling, deltas), request_id, lora_request=lora):
+            async for out in llm.generate(prompt, sampling_params(sampling, deltas), request_id, lora_request=lora):
                 completion = out.outputs[0]
                 tokens = list(completion.token_ids)
                 produced += len(tokens)
@@ -232,7 +199,7 @@ class VLLMEngine:
             self._live.discard(request_id)
             self._aborted.discard(request_id)
             if adapter_version is not None:
-                self._adapter_users[adapter_version] -= 1
+                self.adapters.release(adapter_version)
 
     def partial(self, request_id: str) -> EngineOutput | None:
         """The tokens, log-probs and versions a running request has produced so far (None if
@@ -280,10 +247,6 @@ class VLLMEngine:
         tensors = {name: tensor.detach().contiguous() for name, tensor in items}  # type: ignore[union-attr]
         await self.llm.collective_rpc("rollflow_load_safetensors", args=(save(tensors),))
 
-    async def load_weights_from_path(self, path: str | Path) -> None:
-        """Load every safetensors file of a folder into the (paused) engine."""
-        await self.llm.collective_rpc("rollflow_load_path", args=(str(path),))
-
     async def rpc(self, method: str, *args: Any) -> list[Any]:
         """Call a `WorkerExtension` method on every worker; returns their results."""
         return await self.llm.collective_rpc(method, args=args)
@@ -301,9 +264,6 @@ class VLLMEngine:
             await self.llm.check_health()
         except VLLMDead as err:
             raise self._dead(err) from err
-
-    async def update_weights_from_path(self, path: str | Path, *, partial: PartialMode = "keep") -> int:
-        return await self.update_weights_with(lambda: self.load_weights_from_path(path), partial=partial)
 
     async def update_weights_with(
         self,
@@ -388,27 +348,13 @@ class VLLMEngine:
         unloaded. The adapter travels through a RAM-backed folder (vLLM loads adapters by path).
         `version` labels the adapter with that version instead of the next (a resumed run).
         """
-        import json
-
-        from safetensors.torch import save_file
-        from vllm.lora.request import LoRARequest
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
         if not self.config.max_loras:
             raise WeightSyncError("adapter sync needs a LoRA-enabled engine: set engine.max_loras > 0")
         async with self._update_lock:
             version = self._version + 1 if version is None else version
-            if self._adapter_dir is None:
-                import tempfile
-
-                shm = Path("/dev/shm")
-                self._adapter_dir = Path(tempfile.mkdtemp(prefix="rollflow-lora-", dir=shm if shm.is_dir() else None))
-            folder = self._adapter_dir / f"v{version}"
-            folder.mkdir()
-            state = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-            save_file(state, folder / "adapter_model.safetensors")
-            (folder / "adapter_config.json").write_text(json.dumps(adapter_config))
-            request = LoRARequest(lora_name=f"rollflow-v{version}", lora_int_id=version, lora_path=str(folder))
+            request = await asyncio.to_thread(self.adapters.write, version, tensors, adapter_config)
             try:
                 async with asyncio.timeout(self.config.update_deadline_s):
                     await self._unless_dead(self.llm.add_lora(request))
@@ -418,8 +364,7 @@ class VLLMEngine:
                 raise
             except Exception as err:
                 raise WeightSyncError(f"adapter version {version} failed to load: {err}") from err
-            self._adapters[version] = request
-            self._adapter_users.setdefault(version, 0)
+            self.adapters.add(version, request)
             self._version = version
             if partial != "keep":
                 for request_id in list(self._live):
@@ -429,19 +374,23 @@ class VLLMEngine:
 
     async def collect_adapters(self) -> None:
         """Unload adapters that are neither the newest nor used by an in-flight request."""
-        import shutil
+        for request in self.adapters.unused(self._version):
+            await self.llm.remove_lora(request.lora_int_id)
 
-        for version, request in list(self._adapters.items()):
-            if version != self._version and self._adapter_users.get(version, 0) == 0:
-                await self.llm.remove_lora(request.lora_int_id)
-                del self._adapters[version]
-                self._adapter_users.pop(version, None)
-                shutil.rmtree(request.lora_path, ignore_errors=True)
+    def engines(self) -> list[ManagedEngine]:
+        return [self]
+
+    def targets(self) -> list[ManagedEngine]:
+        return [self]
+
+    def weight_transfer_api(self) -> Any:
+        """The AsyncLLM itself: it has vLLM's weight-transfer calls."""
+        return self.llm
 
     @property
     def loaded_adapters(self) -> list[int]:
         """Versions of the LoRA adapters currently loaded."""
-        return sorted(self._adapters)
+        return sorted(self.adapters.loaded)
 
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
         """Convenience: the whole completion as one output."""
@@ -467,7 +416,4 @@ class VLLMEngine:
             handler.cancel()
             await asyncio.gather(handler, return_exceptions=True)
         await asyncio.to_thread(llm.shutdown)
-        if self._adapter_dir is not None:
-            import shutil
-
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        self.adapters.close()

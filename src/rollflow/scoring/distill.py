@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rollflow.batch import train_sample
 from rollflow.config import LossConfig, TrainerConfig
-from rollflow.handoff import train_sample
 from rollflow.records import Sample
 
 

@@ -23,22 +23,7 @@ from rollflow.controller import Controller
 from rollflow.plots import lag_histogram
 from rollflow.sim.components import EngineProfile, LengthModel, SimEngine, SimTrainer, SimTransport, TrainerProfile
 from rollflow.sim.loop import run_virtual
-
-
-class SimTokenizer:
-    """Prompts of a fixed token count; decoded text of digits and letters (for the digits reward)."""
-
-    def __init__(self, prompt_tokens: int) -> None:
-        self.prompt_tokens = prompt_tokens
-
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, tokenize: bool = True
-    ) -> list[int]:
-        seed = sum(ord(c) for m in messages for c in m["content"])
-        return [1 + (seed + i * 7919) % 997 for i in range(self.prompt_tokens)]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(str(i % 10) if i % 3 == 0 else "x" for i in ids)
+from rollflow.testing import FakeTokenizer
 
 
 @dataclass
@@ -108,9 +93,9 @@ async def _simulate(scenario: Scenario, output_dir: Path) -> SimResult:
         config,
         output_dir,
         engine=engine,
-        trainer=trainer,
+        runner=trainer,
         transport=SimTransport(scenario.trainer),
-        tokenizer=SimTokenizer(scenario.prompt_tokens),
+        tokenizer=FakeTokenizer(prompt_tokens=scenario.prompt_tokens),
         clock=loop.time,
         on_step=lambda _row: busy_at.append(engine.busy_s),
     )

@@ -26,14 +26,16 @@ import hashlib
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from torch import nn
-
-from rollflow.engine.fake import FakeEngine
 from rollflow.records import TrainBatch
+from rollflow.testing import FakeEngine, FakeTrainer
+from rollflow.trainer import TrainerBackend
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -294,15 +296,15 @@ class SimEngine(FakeEngine):
 
 
 class SimTrainer:
-    """The trainer's interface with a timed `step_async` instead of compute."""
-
-    world_size = 1
+    """A `TrainerRunner` whose step is a timed sleep on the loop's clock instead of compute."""
 
     def __init__(self, profile: TrainerProfile, gpus: int = 1) -> None:
         self.profile = profile
         self.gpus = gpus
-        self.lm = nn.Module()  # no parameters: the transport models the bytes
-        self.micro_batches: list[tuple[float, float, int, int]] = []
+        self._weightless = FakeTrainer()
+        self.backend: TrainerBackend = self._weightless
+        """No weights: the transport models the bytes."""
+        self.steps_run = 0
         self.busy = False
         self.engine: SimEngine | None = None
         """Set when engine and trainer share a host (`contended` factors apply)."""
@@ -311,7 +313,7 @@ class SimTrainer:
         tokens = sum(len(s.input_ids) for s in batch.samples)
         return self.profile.fixed_s + tokens * self.profile.s_per_token / self.gpus
 
-    async def step_async(self, batch: TrainBatch) -> dict[str, float]:
+    async def step(self, batch: TrainBatch) -> dict[str, float]:
         loop = asyncio.get_running_loop()
         began = loop.time()
         step = self.step_s(batch)
@@ -323,11 +325,15 @@ class SimTrainer:
         finally:
             self.busy = False
         tokens = sum(sum(s.loss_mask) for s in batch.samples)
-        self.micro_batches = [(began, loop.time(), len(batch.samples), tokens)]
+        self._weightless.micro_batches = [(began, loop.time(), len(batch.samples), tokens)]
+        self.steps_run = batch.step + 1
         return {"ratio_mean": 1.0, "loss": 0.0}
 
-    def full_weights(self) -> Any:
-        return iter(())
+    async def call(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+    async def aclose(self) -> None:
+        return None
 
 
 class SimTransport:

@@ -25,12 +25,11 @@ import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 
-from rollflow.engine import PartialMode
-from rollflow.engine.vllm import VLLMEngine
+from rollflow.engine import ManagedEngine, PartialMode
 from rollflow.weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, pack_into, plan_buckets
 from rollflow.weight_sync.gloo import GlooSender
 from rollflow.weight_sync.shm import ShmSender
@@ -44,7 +43,7 @@ class WeightTransport(Protocol):
 
     name: str
 
-    async def connect(self, engine: VLLMEngine) -> None:
+    async def connect(self, engine: ManagedEngine) -> None:
         """One-off setup with the engine (join groups, open segments)."""
         ...
 
@@ -55,19 +54,12 @@ class WeightTransport(Protocol):
         """Copy the weights out of the trainer (the engine keeps generating); returns bytes."""
         ...
 
-    async def load(self, engine: VLLMEngine, plan: BucketPlan) -> None:
+    async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
         """Move the staged weights into the worker and load them; runs inside the engine's paused
         critical section."""
         ...
 
     async def aclose(self) -> None: ...
-
-
-def _engines(engine: Any) -> list[Any]:
-    """The engines a call addresses: those a pool targets now (see `EnginePool.targets`), or the
-    engine itself."""
-    targets = getattr(engine, "targets", None)
-    return targets() if targets is not None else [engine]
 
 
 class GlooTransport:
@@ -84,15 +76,14 @@ class GlooTransport:
         """id(engine) -> the sending end of its group."""
         self._staged = torch.empty(0, dtype=torch.uint8)
 
-    async def connect(self, engine: Any) -> None:
+    async def connect(self, engine: ManagedEngine) -> None:
         """Join a group with every engine behind `engine` (a restart's new engine replaces the old)."""
         for sender in self._senders.values():
             sender.close()
         self._senders = {}
-        members = getattr(engine, "members", None) or [engine]
-        await asyncio.gather(*(self._join(member) for member in members))
+        await asyncio.gather(*(self._join(member) for member in engine.engines()))
 
-    async def _join(self, member: Any) -> None:
+    async def _join(self, member: ManagedEngine) -> None:
         sender = GlooSender(self.host, 0, self.timeout_s)
         await asyncio.gather(
             asyncio.to_thread(sender.connect),
@@ -105,14 +96,12 @@ class GlooTransport:
             self._staged = torch.empty(plan.total_bytes, dtype=torch.uint8)
         return await asyncio.to_thread(pack_into, plan, tensors, self._staged)
 
-    async def load(self, engine: Any, plan: BucketPlan) -> None:
-        members = _engines(engine)
-        if getattr(engine, "members", None) is not None:  # engines taken out of a pool
-            for key in set(self._senders) - {id(m) for m in engine.members}:
-                self._senders.pop(key).close()
-        await asyncio.gather(*(self._send(member, plan) for member in members))
+    async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
+        for key in set(self._senders) - {id(m) for m in engine.engines()}:  # engines taken out of a pool
+            self._senders.pop(key).close()
+        await asyncio.gather(*(self._send(member, plan) for member in engine.targets()))
 
-    async def _send(self, member: Any, plan: BucketPlan) -> None:
+    async def _send(self, member: ManagedEngine, plan: BucketPlan) -> None:
         if id(member) not in self._senders:
             await self._join(member)
         sender = self._senders[id(member)]
@@ -140,13 +129,13 @@ class ShmTransport:
     def __init__(self) -> None:
         self._sender = ShmSender()
 
-    async def connect(self, engine: VLLMEngine) -> None:
+    async def connect(self, engine: ManagedEngine) -> None:
         return None
 
     async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
         return await asyncio.to_thread(self._sender.write, plan, tensors)
 
-    async def load(self, engine: VLLMEngine, plan: BucketPlan) -> None:
+    async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
         await engine.rpc("rollflow_shm_load", self._sender.name, plan.encode())
 
     async def aclose(self) -> None:
@@ -163,7 +152,7 @@ class CheckpointTransport:
         self._own = directory is None
         self.directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="rollflow-weights-"))
 
-    async def connect(self, engine: VLLMEngine) -> None:
+    async def connect(self, engine: ManagedEngine) -> None:
         return None
 
     def _write(self, tensors: NamedTensors) -> int:
@@ -181,33 +170,12 @@ class CheckpointTransport:
     async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
         return await asyncio.to_thread(self._write, tensors)
 
-    async def load(self, engine: VLLMEngine, plan: BucketPlan) -> None:
+    async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
         await engine.rpc("rollflow_load_path", str(self.directory))
 
     async def aclose(self) -> None:
         if self._own:
             shutil.rmtree(self.directory, ignore_errors=True)
-
-
-class NullTransport:
-    """Moves nothing: for controller tests and benchmarks with a fake engine."""
-
-    name = "null"
-    snapshots = True
-
-    async def connect(self, engine: object) -> None:
-        return None
-
-    async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
-        for _ in tensors:  # the trainer may gather while yielding; let it finish
-            pass
-        return 0
-
-    async def load(self, engine: object, plan: BucketPlan) -> None:
-        return None
-
-    async def aclose(self) -> None:
-        return None
 
 
 def make_transport(name: TransportName, *, host: str = "127.0.0.1", timeout_s: float = 60.0) -> WeightTransport:
@@ -235,7 +203,7 @@ def plan_for(
 
 
 async def sync_weights(
-    engine: VLLMEngine,
+    engine: ManagedEngine,
     transport: WeightTransport,
     plan: BucketPlan,
     tensors: NamedTensors,
@@ -251,7 +219,7 @@ async def sync_weights(
 
 
 async def publish(
-    engine: VLLMEngine,
+    engine: ManagedEngine,
     transport: WeightTransport,
     plan: BucketPlan,
     *,
@@ -270,7 +238,6 @@ __all__ = [
     "BucketPlan",
     "CheckpointTransport",
     "GlooTransport",
-    "NullTransport",
     "ShmTransport",
     "WeightTransport",
     "make_transport",

@@ -120,7 +120,7 @@ class NcclTransport:
         if not torch.cuda.is_available():
             raise RuntimeError("the nccl weight transport needs CUDA; use gloo or shm on CPU")
         # An in-process engine's AsyncLLM, or a remote server's endpoints with the same calls.
-        api = getattr(engine, "weight_transfer_api", None) or engine.llm
+        api = engine.weight_transfer_api()
         client: Any = EngineClient(api, asyncio.get_running_loop())
         info = trainer_init_info(self.host, self.port, self.num_workers, buffer_bytes=self.buffer_bytes)
         empty = plan_source(BucketPlan(tensors=[], bucket_sizes=[]), [])

@@ -14,12 +14,10 @@ This module does not decide what to train on, and does not talk to the engine.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,84 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 from rollflow.config import LossConfig, TrainerConfig
-from rollflow.loss import policy_loss, token_logprobs
+from rollflow.loss import policy_loss
 from rollflow.records import TrainBatch, TrainSample
+from rollflow.trainer.batches import PolicyHead, lr_factor, pad, plan_micro_batches, plan_shards
+from rollflow.trainer.export import full, merged_lora_weights, single_process_dcp
 
 log = logging.getLogger(__name__)
-
-PEFT_PREFIX = "base_model.model."
-
-
-class PolicyHead(nn.Module):
-    """Causal LM body + chunked log-prob head: (padded tokens, gather index) -> log-probs.
-
-    Wrapping both in one module lets FSDP2 gather the LM head (and tied embeddings) for the
-    custom log-prob function exactly as for any other layer.
-    """
-
-    def __init__(self, lm: nn.Module, chunk: int) -> None:
-        super().__init__()
-        self.lm = lm
-        self.chunk = chunk
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # (B, L)
-        attention_mask: torch.Tensor,  # (B, L)
-        gather: torch.Tensor,  # (N,) flat positions whose hidden state predicts a target
-        targets: torch.Tensor,  # (N,)
-        temperature: float,
-        top_k: int,
-        top_p: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        body = self.lm.get_decoder()  # type: ignore[operator]
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, H)
-        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather)  # (N, H)
-        weight = self.lm.get_output_embeddings().weight  # type: ignore[operator]  # (V, H)
-        return token_logprobs(
-            rows, weight, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk=self.chunk
-        )
-
-
-def plan_shards(samples: list[TrainSample], world_size: int) -> list[list[int]]:
-    """Split sample indices across ranks, balancing tokens (longest first, to the lightest rank)."""
-    shards: list[list[int]] = [[] for _ in range(world_size)]
-    load = [0] * world_size
-    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids)):
-        rank = load.index(min(load))
-        shards[rank].append(i)
-        load[rank] += len(samples[i].input_ids)
-    return [sorted(s) for s in shards]
-
-
-def plan_micro_batches(samples: list[TrainSample], indices: list[int], budget: int) -> list[list[int]]:
-    """Group samples into micro-batches whose padded size (count × longest) fits `budget`."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in sorted(indices, key=lambda i: len(samples[i].input_ids)):
-        n = len(samples[i].input_ids)
-        if current and max(longest, n) * (len(current) + 1) > budget:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def _lr_lambda(config: TrainerConfig):
-    def factor(step: int) -> float:
-        if config.warmup_steps and step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        if config.schedule == "cosine":
-            span = max(1, config.total_steps - config.warmup_steps)
-            progress = min(1.0, (step - config.warmup_steps) / span)
-            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return factor
 
 
 class Trainer:
@@ -157,7 +83,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=False
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(config))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config))
         self.steps = 0
         self.micro_batches: list[tuple[float, float, int, int]] = []
         """(start, end, samples, tokens) of each micro-batch of the last step (monotonic seconds)."""
@@ -180,43 +106,6 @@ class Trainer:
         return self.module.lm
 
     # ---- the step -------------------------------------------------------------------------
-
-    def _tensors(self, samples: list[TrainSample]) -> dict[str, Any]:
-        """Pad a micro-batch: token ids, attention mask, gather index and per-token targets."""
-        B = len(samples)
-        L = max(len(s.input_ids) for s in samples)
-        T = max(s.num_completion for s in samples)
-        ids = torch.zeros(B, L, dtype=torch.long)
-        attn = torch.zeros(B, L, dtype=torch.long)
-        behaviour = torch.zeros(B, T)
-        mask = torch.zeros(B, T)
-        token_adv = torch.zeros(B, T)
-        gather: list[int] = []
-        targets: list[int] = []
-        slots: list[int] = []
-        for b, s in enumerate(samples):
-            n, c = len(s.input_ids), s.num_completion
-            ids[b, :n] = torch.tensor(s.input_ids)
-            attn[b, :n] = 1
-            behaviour[b, :c] = torch.tensor(s.logprobs)
-            mask[b, :c] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            token_adv[b, :c] = torch.tensor(s.token_advantages) if s.token_advantages is not None else s.advantage
-            # The hidden state at position t predicts token t + 1.
-            gather.extend(b * L + t - 1 for t in range(s.prompt_len, n))
-            targets.extend(s.input_ids[s.prompt_len :])
-            slots.extend(b * T + j for j in range(c))
-        to = self.device
-        return {
-            "ids": ids.to(to),
-            "attn": attn.to(to),
-            "gather": torch.tensor(gather, dtype=torch.long, device=to),
-            "targets": torch.tensor(targets, dtype=torch.long, device=to),
-            "slots": torch.tensor(slots, dtype=torch.long, device=to),
-            "behaviour": behaviour.to(to),
-            "mask": mask.to(to),
-            "token_adv": token_adv.to(to),
-            "shape": (B, T),
-        }
 
     def _logprobs(self, module: PolicyHead, t: dict[str, Any], sampling: tuple[float, int, float]):
         flat, entropy = module(t["ids"], t["attn"], t["gather"], t["targets"], *sampling)
@@ -316,7 +205,7 @@ class Trainer:
                 continue
             began = time.monotonic()
             micro = [samples[j] for j in mine[i]]
-            t = self._tensors(micro)
+            t = pad(micro, self.device)
             logprobs, entropy = self._logprobs(self.module, t, sampling)
             # A token outside the trainer's top-k / top-p support (near-ties off-policy) has
             # log-prob -inf: it leaves the loss and is counted, instead of turning it into NaN.
@@ -389,7 +278,7 @@ class Trainer:
         for sampling, indices in sorted(by_setting.items()):
             for start in range(0, len(indices), 8):
                 micro = indices[start : start + 8]
-                t = self._tensors([samples[i] for i in micro])
+                t = pad([samples[i] for i in micro], self.device)
                 logprobs, _ = self._logprobs(self.module, t, sampling)
                 for b, i in enumerate(micro):
                     out[i] = logprobs[b, : samples[i].num_completion].tolist()
@@ -397,15 +286,13 @@ class Trainer:
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Current gradients, whole, by parameter name (collective under FSDP2)."""
-        return {name: _full(p.grad) for name, p in self.module.named_parameters() if p.grad is not None}
+        return {name: full(p.grad) for name, p in self.module.named_parameters() if p.grad is not None}
 
     def _clip(self) -> float:
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        return float(full(norm))
 
     # ---- weights out ----------------------------------------------------------------------
 
@@ -413,10 +300,15 @@ class Trainer:
         """Every weight in Hugging Face checkpoint naming, whole (gathered across ranks in
         lockstep: every rank must iterate this together). LoRA adapters are merged in."""
         if self.config.lora.enabled:
-            yield from self._merged_lora_weights()
+            yield from merged_lora_weights(self.lm)
             return
         for name, tensor in self.lm.state_dict().items():
-            yield name, _full(tensor)
+            yield name, full(tensor)
+
+    def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, whole shape) of every model weight (what `full_weights` yields without
+        LoRA), without gathering: FSDP2 DTensors know their full shape."""
+        return [(name, t.dtype, tuple(t.shape)) for name, t in self.lm.state_dict().items()]
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         """The LoRA adapter tensors (peft naming), whole."""
@@ -424,7 +316,7 @@ class Trainer:
             raise ValueError("adapter_weights: trainer.lora.enabled is false")
         from peft import get_peft_model_state_dict
 
-        return {k: _full(v) for k, v in get_peft_model_state_dict(self.lm).items()}
+        return {k: full(v) for k, v in get_peft_model_state_dict(self.lm).items()}
 
     def adapter_config(self) -> dict[str, Any]:
         """The peft adapter config as JSON-ready data (what `adapter_config.json` holds)."""
@@ -432,25 +324,6 @@ class Trainer:
 
         config: Any = self.lm.peft_config["default"]  # type: ignore[index]
         return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
-
-    def _merged_lora_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from peft.tuners.lora import LoraLayer
-
-        lora_modules = {name: m for name, m in self.lm.named_modules() if isinstance(m, LoraLayer)}
-        for name, tensor in self.lm.state_dict().items():
-            if ".lora_" in name:
-                continue
-            module_name, _, leaf = name.rpartition(".")
-            owner = module_name.removesuffix(".base_layer")
-            hf_name = f"{owner}.{leaf}".removeprefix(PEFT_PREFIX)
-            full = _full(tensor)
-            layer = lora_modules.get(owner)
-            if layer is not None and leaf == "weight" and module_name.endswith(".base_layer"):
-                adapter = layer.active_adapters[0]
-                a = _full(layer.lora_A[adapter].weight.detach())  # type: ignore[operator, index]  # (r, in)
-                b = _full(layer.lora_B[adapter].weight.detach())  # type: ignore[operator, index]  # (out, r)
-                full = full + (b @ a) * layer.scaling[adapter]
-            yield hf_name, full
 
     # ---- checkpoints ----------------------------------------------------------------------
 
@@ -468,7 +341,7 @@ class Trainer:
         import torch.distributed.checkpoint as dcp
 
         state = self.state_dict()
-        with _single_process_dcp():
+        with single_process_dcp():
             dcp.save(
                 {"model": state["model"], "optimizer": state["optimizer"]},
                 checkpoint_id=path,
@@ -482,7 +355,7 @@ class Trainer:
 
         state = self.state_dict()  # the layout to load into, optimizer state included
         tensors = {"model": state["model"], "optimizer": state["optimizer"]}
-        with _single_process_dcp():
+        with single_process_dcp():
             dcp.load(tensors, checkpoint_id=path, no_dist=not self.distributed)
         self.load_state_dict({**tensors, **rest})
 
@@ -494,52 +367,3 @@ class Trainer:
         )
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
-
-
-@contextlib.contextmanager
-def _single_process_dcp() -> Iterator[None]:
-    """torch.distributed.checkpoint warns on every single-process save, which is intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A whole tensor from a possibly sharded (DTensor) one."""
-    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-    return full.detach()
-
-
-class FakeTrainer:
-    """The trainer's interface without a model, for controller tests and benchmarks: records
-    each batch and takes `step_s` seconds per step (in the caller's thread)."""
-
-    world_size = 1
-
-    def __init__(self, step_s: float = 0.0) -> None:
-        self.step_s = step_s
-        self.batches: list[TrainBatch] = []
-        self.lm = nn.Module()  # no parameters: nothing to sync
-        self.micro_batches: list[tuple[float, float, int, int]] = []
-
-    def step(self, batch: TrainBatch) -> dict[str, float]:
-        began = time.monotonic()
-        if self.step_s:
-            # Stands for the compute of a real step: it runs in the controller's worker thread.
-            time.sleep(self.step_s)
-        self.batches.append(batch)
-        tokens = sum(sum(s.loss_mask) for s in batch.samples)
-        self.micro_batches = [(began, time.monotonic(), len(batch.samples), tokens)]
-        return {"ratio_mean": 1.0, "loss": 0.0}
-
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(())
-
-    def save(self, path: Path) -> dict[str, Any]:
-        path.mkdir(parents=True, exist_ok=True)
-        return {"steps": len(self.batches)}
-
-    def load(self, path: Path, rest: dict[str, Any]) -> None:
-        if not path.is_dir():
-            raise FileNotFoundError(path)
-        self.resumed_at = int(rest["steps"])

@@ -1,4 +1,4 @@
-"""A deterministic in-process engine for unit tests of rollout and the controller.
+"""The fake engine: deterministic, in-process, for unit tests of rollout and the controller.
 
 `FakeEngine` honours the `Engine` contract (streaming deltas, abort, pause, preemption, exact
 per-token versions) without a model: token t of a request is a hash of (prompt + prefix,
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
-from rollflow.engine import EngineOutput, PartialMode, Weights
+from rollflow.engine import EngineOutput, ManagedEngine, PartialMode, Weights
+from rollflow.errors import WeightSyncError
 from rollflow.records import SamplingSpec
 
 EOS_TOKEN = 0
@@ -23,7 +25,7 @@ EOS_TOKEN = 0
 _MASK = (1 << 64) - 1
 
 
-def _mix(state: int, value: int) -> int:
+def mix(state: int, value: int) -> int:
     """One splitmix64-style step: a cheap, well-spread hash of (state, value)."""
     z = (state + 0x9E3779B97F4A7C15 + value) & _MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
@@ -35,14 +37,14 @@ def context_state(tokens: list[int]) -> int:
     """The rolling hash of a token sequence (prompt + prefix)."""
     state = 0
     for token in tokens:
-        state = _mix(state, token)
+        state = mix(state, token)
     return state
 
 
 def fake_token(state: int, version: int, vocab: int) -> tuple[int, float]:
     """The token (never EOS) and log-prob that the fake model of `version` gives after the
     context whose rolling hash is `state`."""
-    value = _mix(state, 1_000_003 * (version + 1))
+    value = mix(state, 1_000_003 * (version + 1))
     return 1 + value % (vocab - 1), -((value >> 20) % 1000) / 100.0
 
 
@@ -117,7 +119,7 @@ class FakeEngine:
                         token, logprob = EOS_TOKEN, -0.1
                     else:
                         token, logprob = fake_token(state, self._version, self.vocab)
-                    state = _mix(state, token)
+                    state = mix(state, token)
                     versions.append(self._version)
                     tokens.append(token)
                     logprobs.append(logprob)
@@ -200,6 +202,33 @@ class FakeEngine:
             finally:
                 await self.resume()
             return self._version
+
+    async def update_adapter(
+        self,
+        tensors: dict[str, Any],
+        adapter_config: dict[str, Any],
+        *,
+        partial: PartialMode = "keep",
+        version: int | None = None,
+    ) -> int:
+        """An adapter is weights like any other here: the same critical section."""
+        return await self.update_weights_with(_nothing, partial=partial, version=version)
+
+    async def check_health(self) -> None:
+        """A fake engine lives until a test kills it (see the engine-failure tests)."""
+
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
+        """There are no workers: a transport that needs one cannot be used with the fake."""
+        raise WeightSyncError(f"the fake engine has no workers to call {method!r} on; use NullTransport")
+
+    def engines(self) -> list[ManagedEngine]:
+        return [self]
+
+    def targets(self) -> list[ManagedEngine]:
+        return [self]
+
+    def weight_transfer_api(self) -> Any:
+        raise WeightSyncError("the fake engine has no weight-transfer API")
 
     async def aclose(self) -> None:
         for request_id in list(self._live):

@@ -1,58 +1,18 @@
-"""The bridge from the controller to trainer ranks: samples -> `TrainBatch` -> every rank.
+"""Scored groups -> the `TrainBatch` one optimizer step consumes, and that batch's metrics.
 
-`build_batch` turns a step's groups into its `TrainBatch` (stale tokens withheld) and the
-batch's metrics; `train_sample` turns one scored `Sample` and its advantage into what the
-trainer consumes.
-`broadcast` sends a control message from rank 0 to all ranks over torch.distributed (msgpack
-bytes in a uint8 tensor: length first, then payload); ranks other than 0 block in it waiting
-for the next message. The calls are blocking: the controller runs them in a worker thread so
-its event loop keeps streaming. This module does no training and no scheduling.
+`build_batch` turns a step's groups into its `TrainBatch` (tokens too stale for `max_lag`
+withheld from the loss) and its metrics; `train_sample` turns one scored `Sample` and its
+advantage into what the trainer consumes. Pure functions: this module does not train, schedule
+or talk to other ranks (`rollflow.ranks` sends batches to them).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-import torch
-import torch.distributed as dist
-
 from rollflow.buffer import lags, withhold_stale
 from rollflow.metrics import histogram
 from rollflow.records import Group, Sample, TrainBatch, TrainSample
-
-
-class Step(msgspec.Struct, frozen=True, tag="step"):
-    """Train on this batch."""
-
-    batch: TrainBatch
-
-
-class Sync(msgspec.Struct, frozen=True, tag="sync"):
-    """Gather full weights in lockstep (rank 0 sends them to the engine)."""
-
-
-class Stop(msgspec.Struct, frozen=True, tag="stop"):
-    """Leave the follower loop."""
-
-
-class Save(msgspec.Struct, frozen=True, tag="save"):
-    """Write this rank's trainer shard into the checkpoint folder `path`."""
-
-    path: str
-
-
-class Load(msgspec.Struct, frozen=True, tag="load"):
-    """Restore this rank's trainer shard from the checkpoint folder `path`."""
-
-    path: str
-    rest: bytes
-    """The non-tensor trainer state (msgpack)."""
-
-
-Message = Step | Sync | Stop | Save | Load
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
 
 
 def train_sample(
@@ -177,25 +137,3 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
         return 0.0, 0.0
     mean = sum(values) / len(values)
     return mean, (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
-
-
-def broadcast(message: Message | None, *, src: int = 0, group: dist.ProcessGroup | None = None) -> Message:
-    """Rank `src` passes the message; every other rank passes None and receives it."""
-    rank = dist.get_rank(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    if rank == src:
-        if message is None:
-            raise ValueError("the source rank must pass a message")
-        payload = torch.frombuffer(bytearray(_encoder.encode(message)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.long)
-    else:
-        size = torch.zeros(1, dtype=torch.long)
-    size = size.to(device) if device else size
-    dist.broadcast(size, src=src, group=group)
-    if rank != src:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    buffer = payload.to(device) if device else payload
-    dist.broadcast(buffer, src=src, group=group)
-    if rank == src:
-        return message  # type: ignore[return-value]
-    return _decoder.decode(buffer.cpu().numpy().tobytes())

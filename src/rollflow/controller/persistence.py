@@ -1,0 +1,132 @@
+"""The run directory: preparing it, refusing a resume that cannot work, checkpoints in and out.
+
+`prepare_output_dir` checks the output directory for a new run, or finds the checkpoint a
+resumed run continues from (refusing changed settings the checkpoint depends on) and cuts the
+ledger and metrics back to it. `Checkpointer` decides when a periodic checkpoint is due and
+writes one (`rollflow.checkpoint` makes the write atomic) on the trainer thread, so the trainer
+is between steps while its tensors are saved. What goes into `RunState` is assembled by the
+controller, which knows every component; this module owns no run state itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from rollflow.checkpoint import (
+    CHECKPOINTS,
+    RESUME_FIXED,
+    RunState,
+    clean_temporary,
+    latest_checkpoint,
+    read_state,
+    resume_changes,
+    save_checkpoint,
+)
+from rollflow.config import Config, load_config
+from rollflow.controller.trainer_thread import TrainerRunner
+from rollflow.errors import ConfigError, UserInputError
+from rollflow.ledger import LEDGER, truncate
+from rollflow.trace import Trace
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+
+
+def prepare_output_dir(out: Path, config: Config, *, resume: bool) -> tuple[Path, RunState] | None:
+    """Check `out` for a new or a resumed run; returns the checkpoint to resume from and its
+    state. On resume, the ledger and metrics are cut back to the checkpoint."""
+    existing = [n for n in (METRICS, LEDGER) if (out / n).exists()]
+    if not resume:
+        if existing:
+            raise UserInputError(
+                f"{out}: already holds a run ({', '.join(existing)}); resume it with --resume "
+                "or choose a new output directory"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        return None
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is None:
+        raise UserInputError(f"{out}: no checkpoint to resume from in {out / CHECKPOINTS}; start without --resume")
+    check_resumable(out / "config.toml", config)
+    clean_temporary(out)
+    state = read_state(checkpoint)
+    if state.step >= config.run.max_steps:
+        raise UserInputError(
+            f"{checkpoint}: the run already did {state.step} steps (run.max_steps = {config.run.max_steps}); "
+            "raise --max-steps to train further"
+        )
+    truncate(out / LEDGER, state.ledger_bytes)
+    truncate(out / METRICS, state.metrics_bytes)
+    log.info("resuming from %s (step %d)", checkpoint, state.step)
+    return checkpoint, state
+
+
+def check_resumable(saved: Path, config: Config) -> None:
+    """Refuse to resume with settings the checkpoint depends on changed (`RESUME_FIXED`)."""
+    if not saved.exists():
+        log.warning("%s is missing: cannot check that the resumed run's settings match", saved)
+        return
+    try:
+        previous = load_config(saved)
+    except ConfigError as err:
+        log.warning("cannot check the resumed run's settings against %s: %s", saved, err)
+        return
+    changes = resume_changes(previous, config)
+    if changes:
+        raise UserInputError(
+            f"{saved}: cannot resume this run with different {', '.join(RESUME_FIXED)} settings; changed: "
+            + "; ".join(changes)
+            + ". Put them back, or start a new run in another output directory"
+        )
+
+
+class Checkpointer:
+    """When to checkpoint, and writing one."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        config: Config,
+        runner: TrainerRunner,
+        *,
+        trace: Trace,
+        clock: Callable[[], float],
+    ) -> None:
+        self.output_dir = output_dir
+        self.enabled = config.checkpoint.enabled
+        self.every = config.checkpoint.every if self.enabled else 0
+        self.keep_last = config.checkpoint.keep_last
+        self.max_steps = config.run.max_steps
+        self.runner = runner
+        self.trace = trace
+        self.clock = clock
+        self.last: Path | None = None
+        """The last checkpoint written."""
+
+    def due(self, steps_done: int) -> bool:
+        """A periodic checkpoint is due after `steps_done` steps (the final one is written apart)."""
+        return bool(self.every) and steps_done % self.every == 0 and steps_done < self.max_steps
+
+    async def save(self, state: RunState) -> Path:
+        """Write `state` and the trainer's tensors as the checkpoint of step `state.step`."""
+        began = self.clock()
+        backend = self.runner.backend
+
+        def write() -> Path:
+            return save_checkpoint(self.output_dir, state, backend.save, step=state.step, keep_last=self.keep_last)
+
+        path = await self.runner.call(write)
+        self.trace.span("checkpoint", "trainer", began, self.clock(), step=state.step, path=path.name)
+        self.last = path
+        log.info("checkpoint %s written in %.1f s", path, self.clock() - began)
+        return path
+
+    async def restore(self, checkpoint: Path, state: RunState) -> None:
+        """Load the trainer's tensors and state from `checkpoint`."""
+        path = checkpoint / "trainer"
+        backend = self.runner.backend
+        await self.runner.call(lambda: backend.load(path, state.trainer))
+        self.runner.steps_run = state.step

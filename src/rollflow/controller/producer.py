@@ -1,0 +1,318 @@
+"""The producer: admission -> prompt -> G rollouts -> scoring -> advantages -> the group buffer.
+
+`Producer.run` waits for room under the capacity rule (`buffer.Admission`), draws the next
+prompt and launches its group as one task; the group's G rollouts stream concurrently (single
+turns, or multi-turn episodes with an environment), each surviving engine deaths through the
+supervisor; the finished samples are scored beside generation, get group-relative advantages
+and go into the buffer. A group that cannot be used is dropped with its reason in the ledger and
+gives its admission room back.
+
+Every group lives in ONE registry (`in_flight`) from launch until it is buffered or dropped:
+its prompt, its samples' progress (what a checkpoint saves) and its task. The producer does
+not train and does not move weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from rollflow.advantage import group_advantages, process_advantages
+from rollflow.buffer import Admission, GroupBuffer
+from rollflow.checkpoint import PendingGroup
+from rollflow.config import Config
+from rollflow.controller.accounting import Accounting
+from rollflow.controller.supervisor import Supervisor
+from rollflow.envs import ChatFormat, EnvFactory, EpisodeLimits, episode_score, run_episode
+from rollflow.errors import EngineDeadError, EngineError
+from rollflow.records import Group, Prompt, Sample, SamplingSpec
+from rollflow.rollout import PartialSample, Progress, rollout
+from rollflow.sampler import Sampler
+from rollflow.scoring import Scored, Scorer
+from rollflow.trace import Trace
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A group from launch until it is buffered or dropped."""
+
+    prompt: Prompt
+    group_id: str
+    progress: list[Progress]
+    """Each sample's tokens so far (what a checkpoint saves)."""
+    task: asyncio.Task[None] | None = None
+    generating: bool = True
+    """Still streaming (False while it is scored)."""
+
+
+class Producer:
+    """Turns prompts into scored groups in the buffer, as fast as admission allows."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        sampler: Sampler,
+        admission: Admission,
+        buffer: GroupBuffer,
+        supervisor: Supervisor,
+        scorer: Scorer,
+        accounting: Accounting,
+        tokenizer: Any,
+        trace: Trace,
+        clock: Callable[[], float],
+        spec: SamplingSpec,
+        env: EnvFactory | None = None,
+        chat: ChatFormat | None = None,
+        teacher: Any = None,
+    ) -> None:
+        self.config = config
+        self.sampler = sampler
+        self.admission = admission
+        self.buffer = buffer
+        self.supervisor = supervisor
+        self.scorer = scorer
+        self.accounting = accounting
+        self.tokenizer = tokenizer
+        self.trace = trace
+        self.clock = clock
+        self.spec = spec
+        self.env = env
+        """Makes each episode's environment; None: single-turn samples."""
+        self.chat = chat
+        self.teacher = teacher
+        """On-policy distillation: scores the student's tokens (`scoring.teacher`)."""
+        self.limits = EpisodeLimits(
+            max_turns=config.env.max_turns,
+            max_tokens=config.env.max_tokens,
+            max_model_len=config.engine.max_model_len,
+            step_timeout_s=config.env.step_timeout_s,
+        )
+        self.in_flight: dict[str, InFlight] = {}
+        """Every group launched and not yet buffered or dropped, by prompt id."""
+        self.resume_from: list[PendingGroup] = []
+        """Groups in flight at the checkpoint this run resumed from (launched first)."""
+        self.consumed: list[str] = []
+        """Ids of every prompt drawn, in order."""
+        self.group_seq = 0
+        self.generated_tokens = 0
+        self.engine_busy_s = 0.0
+        """Wall time with at least one group generating (the engine's busy time)."""
+        self._busy_since: float | None = None
+        self._generating = 0
+        self._teacher_thread = ThreadPoolExecutor(1, "rollflow-teacher")
+
+    # ---- launching groups -----------------------------------------------------------------
+
+    async def run(self, tg: asyncio.TaskGroup) -> None:
+        group_size = self.config.rollout.group_size
+        for pending in self.resume_from:  # groups in flight at the checkpoint continue first
+            self._launch(tg, pending.prompt, pending.group_id, pending.samples)
+        self.resume_from = []
+        while await self.admission.acquire(group_size):
+            prompt = self.sampler.next()
+            self.consumed.append(prompt.id)
+            group_id = f"g{self.group_seq}"
+            self.group_seq += 1
+            self._launch(tg, prompt, group_id, [PartialSample() for _ in range(group_size)])
+
+    def _launch(self, tg: asyncio.TaskGroup, prompt: Prompt, group_id: str, start: list[PartialSample]) -> None:
+        if self._generating == 0:
+            self._busy_since = self.clock()
+        self._generating += 1
+        entry = InFlight(prompt, group_id, [Progress(s) for s in start])
+        self.in_flight[prompt.id] = entry
+        entry.task = tg.create_task(self._group(entry), name=f"group-{prompt.id}")
+
+    async def _group(self, entry: InFlight) -> None:
+        try:
+            samples = await self._generate(entry)
+            if samples is not None:
+                await self._score(entry.prompt, samples)
+        finally:
+            self.in_flight.pop(entry.prompt.id, None)
+
+    def _generated(self, entry: InFlight) -> None:
+        entry.generating = False
+        self._generating -= 1
+        if self._generating == 0 and self._busy_since is not None:
+            self.engine_busy_s += self.clock() - self._busy_since
+            self._busy_since = None
+
+    def busy_total(self) -> float:
+        """Engine busy time so far, counting the current busy stretch."""
+        current = self.clock() - self._busy_since if self._busy_since is not None else 0.0
+        return self.engine_busy_s + current
+
+    # ---- generating -------------------------------------------------------------------------
+
+    async def _generate(self, entry: InFlight) -> list[Sample] | None:
+        """The group's samples, or None when an engine error dropped the group."""
+        prompt, group_id = entry.prompt, entry.group_id
+        # Owned here: awaited together below, and cancelled together if any fails.
+        tasks = [
+            asyncio.create_task(self._rollout(prompt, group_id, i, p), name=f"rollout-{group_id}/{i}")
+            for i, p in enumerate(entry.progress)
+        ]
+        try:
+            samples = await asyncio.gather(*tasks)
+        except BaseException as err:
+            # One sample failed or the run is ending: stop the group's other samples too.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._generated(entry)
+            if isinstance(err, asyncio.CancelledError):
+                if not self.accounting.pending_held:
+                    self.accounting.drop(prompt.id, "run ended: in flight")
+                raise
+            if isinstance(err, EngineError) and not isinstance(err, EngineDeadError):
+                self.accounting.drop(prompt.id, f"engine error: {err}")
+                await self.admission.release(len(tasks))
+                return None
+            # The error ends the run; the prompt is still accounted for.
+            self.accounting.drop(prompt.id, f"run failed: {err}")
+            raise
+        self._generated(entry)
+        self.generated_tokens += sum(sample.num_tokens for sample in samples)
+        return samples
+
+    async def _rollout(self, prompt: Prompt, group_id: str, index: int, progress: Progress) -> Sample:
+        lane = self.trace.lane()
+        version, began = self.supervisor.engine.version, self.clock()
+        try:
+            if self.env is None:
+                sample = await self._stream(prompt, self.spec, group_id, index, progress)
+            else:
+                sample = await self._episode(prompt, group_id, index, progress)
+        except BaseException:
+            self.trace.span("generate (ended early)", lane, began, self.clock(), prompt=prompt.id, sample=index)
+            raise
+        finally:
+            self.trace.release(lane)
+        self.trace.span(
+            "generate",
+            lane,
+            began,
+            self.clock(),
+            prompt=prompt.id,
+            sample=index,
+            tokens=sample.num_tokens,
+            version_start=sample.versions[0] if sample.versions else version,
+            version_end=sample.versions[-1] if sample.versions else version,
+            interruptions=sample.interruptions,
+            turns=sample.turns,
+        )
+        return sample
+
+    async def _stream(
+        self, prompt: Prompt, spec: SamplingSpec, group_id: str, index: int, progress: Progress
+    ) -> Sample:
+        """One generation, carried over to a new engine (from the tokens it had) if the engine dies."""
+        partial = self.config.rollout.partial
+        return await self.supervisor.persist(
+            lambda engine: rollout(
+                engine, prompt, spec, group_id=group_id, index=index, partial=partial, progress=progress
+            )
+        )
+
+    async def _episode(self, prompt: Prompt, group_id: str, index: int, progress: Progress) -> Sample:
+        """A multi-turn episode. Its progress is saved only once it is done: a checkpoint taken
+        mid-episode restarts it from its prompt (an environment's state cannot be saved)."""
+        assert self.env is not None and self.chat is not None
+        if progress.saved.done is not None:  # finished before the checkpoint this run resumed from
+            return progress.saved.done
+
+        async def turn(token_ids: list[int], spec: SamplingSpec, n: int) -> Sample:
+            turn_prompt = Prompt(id=prompt.id, token_ids=token_ids)
+            return await self._stream(turn_prompt, spec, f"{group_id}/t{n}", index, Progress())
+
+        sample = await run_episode(
+            self.env(), prompt, self.spec, turn, self.chat, group_id=group_id, index=index, limits=self.limits
+        )
+        progress.saved = PartialSample(done=sample)
+        return sample
+
+    # ---- scoring ----------------------------------------------------------------------------
+
+    async def _score(self, prompt: Prompt, samples: list[Sample]) -> None:
+        """Rewards (and teacher log-probs), then advantages; the group goes into the buffer, or
+        is dropped when none of its samples could be scored."""
+        cfg = self.config
+        began = self.clock()
+        texts = [self.tokenizer.decode(s.completion_token_ids, skip_special_tokens=True) for s in samples]
+        prior = [episode_score(s) for s in samples] if self.env is not None else None
+        try:
+            results = await self.scorer.score(prompt, texts, [s.completion_token_ids for s in samples], prior)
+            if self.teacher is not None:
+                samples, results = await self._teacher_logprobs(samples, results)
+        except asyncio.CancelledError:
+            if not self.accounting.pending_held:
+                self.accounting.drop(prompt.id, "run ended: being scored")
+            raise
+        scored = [
+            msgspec.structs.replace(
+                sample, reward=r.reward, unscorable=r.reason, reward_parts=r.parts, process_rewards=r.steps
+            )
+            for sample, r in zip(samples, results, strict=True)
+        ]
+        self.trace.span("reward", "reward", began, self.clock(), prompt=prompt.id, rewards=[s.reward for s in scored])
+        if all(s.reward is None for s in scored):
+            self.accounting.drop(prompt.id, f"unscorable: {scored[0].unscorable}")
+            await self.admission.release(len(scored))
+            return
+        adv = group_advantages([s.reward for s in scored], estimator=cfg.loss.advantage, scale_std=cfg.loss.scale_std)
+        credit: list[list[float] | None] = []
+        if cfg.scoring.process_coef and any(s.process_rewards for s in scored):
+            per_token = process_advantages(
+                [s.process_rewards if s.reward is not None else None for s in scored],
+                [s.num_tokens for s in scored],
+                scale_std=cfg.loss.scale_std,
+            )
+            credit = [None if t is None else [cfg.scoring.process_coef * a for a in t] for t in per_token]
+        await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages, token_advantages=credit))
+
+    async def _teacher_logprobs(
+        self, samples: list[Sample], results: list[Scored]
+    ) -> tuple[list[Sample], list[Scored]]:
+        """Attach the teacher's log-probs of every sampled token; a failure makes the samples
+        unscorable with the reason."""
+        loop = asyncio.get_running_loop()
+        try:
+            logprobs = await loop.run_in_executor(self._teacher_thread, self.teacher, samples)
+        except Exception as err:  # the teacher is a scoring stage: its failure is a reason, not a crash
+            reason = f"teacher: raised {type(err).__name__}: {err}"
+            return samples, [Scored(None, r.reason or reason, r.parts) for r in results]
+        return [
+            msgspec.structs.replace(s, teacher_logprobs=lp) for s, lp in zip(samples, logprobs, strict=True)
+        ], results
+
+    # ---- what the rest of the controller asks -------------------------------------------------
+
+    def snapshot(self) -> list[PendingGroup]:
+        """Every group in flight with each sample's progress, at this instant."""
+        engine = self.supervisor.engine
+        return [
+            PendingGroup(prompt=e.prompt, group_id=e.group_id, samples=[p.snapshot(engine) for p in e.progress])
+            for e in self.in_flight.values()
+        ]
+
+    def cancel(self) -> None:
+        """Cancel every group in flight (their engine requests are aborted)."""
+        for entry in self.in_flight.values():
+            if entry.task is not None:
+                entry.task.cancel()
+
+    def take_in_flight(self) -> list[str]:
+        """The prompt ids still registered (their tasks never ran to an end), forgetting them."""
+        ids = list(self.in_flight)
+        self.in_flight.clear()
+        return ids
+
+    def close(self) -> None:
+        self._teacher_thread.shutdown(wait=False)

@@ -1,0 +1,399 @@
+"""The controller: wires a run's components, drives them under one TaskGroup, and tears down.
+
+`Controller.run` prepares the output directory, builds the components (`setup.build`), restores
+a checkpoint when resuming, starts the engine, then runs the producer, the training loop, the
+engine's health watch and the loop-lag probe together; on completion, error, `request_stop` or
+cancellation it accounts for every prompt, writes the final checkpoint and closes everything.
+Components never reference the controller: it builds them in `setup` and calls them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rollflow.buffer import Admission, GroupBuffer
+from rollflow.checkpoint import RunState, rng_state, set_rng_state
+from rollflow.config import Config, dump_config
+from rollflow.controller.accounting import Accounting
+from rollflow.controller.persistence import METRICS, Checkpointer, prepare_output_dir
+from rollflow.controller.producer import Producer
+from rollflow.controller.setup import Components, Given, build
+from rollflow.controller.supervisor import Supervisor
+from rollflow.controller.trainer_thread import TrainerRunner
+from rollflow.controller.training import TrainingLoop
+from rollflow.controller.weights import AdapterWeights, FullWeights, WeightPublisher, WeightStrategy
+from rollflow.engine import ManagedEngine
+from rollflow.engine.factory import check_engines
+from rollflow.envs import EnvFactory, load_environment
+from rollflow.evaluate import EvalReport, evaluate_held_out, sampling_spec
+from rollflow.ledger import LEDGER
+from rollflow.metrics import JsonlSink, LoopLag, MetricsSink, make_sinks
+from rollflow.scoring import RewardFunc, Scorer, make_rewards, make_scorer
+from rollflow.trace import Trace
+from rollflow.trainer import TrainerBackend
+from rollflow.weight_sync import WeightTransport
+
+log = logging.getLogger(__name__)
+
+
+class RunResult(msgspec.Struct):
+    """What `train` returns: per-step metrics, prompt accounting and held-out evaluation."""
+
+    steps: int
+    wall_s: float
+    metrics: list[dict[str, Any]]
+    trained_prompts: int
+    dropped: dict[str, int]
+    eval_before: EvalReport | None = None
+    eval_after: EvalReport | None = None
+    engine_busy_s: float = 0.0
+    """Wall time with at least one group generating."""
+    first_step: int = 0
+    """The step this run started at (> 0 when resumed from a checkpoint)."""
+    stopped: bool = False
+    """Stopped early by `request_stop`; the checkpoint holds the work in progress."""
+    checkpoint: str | None = None
+    """The last checkpoint written."""
+
+
+class Controller:
+    """One training run: engine, trainer, transport, sampler, buffer, and the two loops."""
+
+    # ---- set in __init__
+    config: Config
+    output_dir: Path
+    admission: Admission
+    buffer: GroupBuffer
+    scorer: Scorer
+    env: EnvFactory | None
+    # ---- set by setup()
+    parts: Components
+    accounting: Accounting
+    supervisor: Supervisor
+    weights: WeightPublisher
+    producer: Producer
+    checkpointer: Checkpointer
+    training: TrainingLoop
+    trace: Trace
+    loop_lag: LoopLag
+    sinks: list[MetricsSink]
+
+    def __init__(
+        self,
+        config: Config,
+        output_dir: str | Path,
+        *,
+        on_step: Callable[[dict], None] | None = None,
+        engine: ManagedEngine | None = None,
+        trainer: TrainerBackend | None = None,
+        transport: WeightTransport | None = None,
+        tokenizer: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        resume: bool = False,
+        engine_factory: Callable[[], ManagedEngine] | None = None,
+        reward_funcs: dict[str, RewardFunc] | None = None,
+        env: EnvFactory | None = None,
+        runner: TrainerRunner | None = None,
+    ):
+        """`engine`, `trainer`, `transport` and `tokenizer` default to the real ones built from the
+        config; tests pass fakes that honour the same interfaces (`rollflow.testing`). `runner`
+        runs the trainer's calls (default: one dedicated thread); the simulator passes a timed
+        one with its virtual `clock` (the event loop's time). `resume`: continue the run in
+        `output_dir` from its latest checkpoint. `engine_factory` builds a replacement engine
+        when the one in use dies (default: a new vLLM engine like the first; none for a given
+        engine). `reward_funcs`: reward functions by name (TRL signature), added to those
+        configured in `[[scoring.rewards]]` (an entry with the same name sets its weight and
+        timeout). `env`: makes the `Environment` of each multi-turn episode (default: the one
+        `env.name` names; none: single-turn samples)."""
+        check_engines(config)
+        self.config = config
+        self.output_dir = Path(output_dir)
+        self.on_step = on_step
+        self.clock = clock
+        self.resume = resume
+        self._given = Given(engine, engine_factory, trainer, runner, transport, tokenizer)
+        self.admission = Admission(config.run.groups_per_step * config.rollout.group_size, config.run.max_lag)
+        self.buffer = GroupBuffer()
+        if env is None and config.env.name:
+            env = load_environment(config.env.name, tool_timeout_s=config.env.tool_timeout_s)
+        self.env = env
+        """Makes each episode's environment; None: single-turn samples."""
+        rewards = make_rewards(config.scoring, config.run.reward, reward_funcs, env=env is not None)
+        self.scorer = Scorer(rewards, max_concurrency=config.scoring.max_concurrency)
+        """Every training reward, run on whole groups beside generation."""
+        self._stop = asyncio.Event()
+
+    # ---- the public surface ------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was requested."""
+        return self._stop.is_set()
+
+    def request_stop(self) -> None:
+        """Stop after the current step: checkpoint the run with its work in progress and return
+        (the CLI calls this on SIGINT / SIGTERM). Safe to call from a signal handler on the loop."""
+        self._stop.set()
+
+    @property
+    def engine(self) -> ManagedEngine:
+        """The engine serving now (a restart replaces it)."""
+        return self.supervisor.engine
+
+    @property
+    def engine_restarts(self) -> int:
+        return self.supervisor.restarts
+
+    @property
+    def trainer(self) -> TrainerBackend:
+        return self.parts.runner.backend
+
+    # ---- the run -----------------------------------------------------------------------------
+
+    async def run(self) -> RunResult:
+        cfg = self.config
+        resumed = prepare_output_dir(self.output_dir, cfg, resume=self.resume)
+        (self.output_dir / "config.toml").write_text(dump_config(cfg))
+        began = self.clock()
+        self._open_outputs(began)
+        try:
+            await self.setup()
+        except BaseException:
+            self._close_outputs()
+            raise
+        eval_before = eval_after = None
+        frozen = False
+        try:
+            if resumed is not None:
+                await self._restore(*resumed)
+            await self.engine.start()
+            await self.weights.strategy.prepare(self.engine)
+            if cfg.run.eval_prompts and resumed is None:
+                eval_before = await self._evaluate()
+            if cfg.run.gc_freeze:
+                # No gc.collect() first: a full collection of the startup heap costs a fixed
+                # 0.1-0.3 s; garbage frozen with the rest is collected after the run unfreezes.
+                gc.freeze()
+                frozen = True
+            await self._drive()
+            if not self._stop.is_set() and self.checkpointer.enabled:
+                self._settle()  # the final checkpoint holds no work in progress
+                await self._checkpoint(cfg.run.max_steps, keep_pending=False)
+            if cfg.run.eval_prompts and not self._stop.is_set():
+                eval_after = await self._evaluate()
+        finally:
+            if frozen:
+                gc.unfreeze()
+            await self._teardown()
+        training = self.training
+        return RunResult(
+            steps=len(training.metrics),
+            wall_s=self.clock() - began,
+            metrics=training.metrics,
+            trained_prompts=self.accounting.trained,
+            dropped=dict(self.accounting.dropped),
+            eval_before=eval_before,
+            eval_after=eval_after,
+            engine_busy_s=self.producer.engine_busy_s,
+            first_step=training.first_step,
+            stopped=self._stop.is_set(),
+            checkpoint=str(self.checkpointer.last) if self.checkpointer.last else None,
+        )
+
+    async def _drive(self) -> None:
+        """The producer, the training loop, the health watch and the loop-lag probe, together
+        until training ends; the other three are then cancelled."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                producer = tg.create_task(self.producer.run(tg), name="producer")
+                probe = tg.create_task(self.loop_lag.run(), name="loop-lag")
+                health = tg.create_task(self.supervisor.watch(), name="engine-health")
+                try:
+                    await self.training.run(tg)
+                finally:
+                    await self.admission.close()
+                    for task in (producer, probe, health):
+                        task.cancel()
+                    self.producer.cancel()
+        except ExceptionGroup as group:
+            first = group.exceptions[0]
+            if all(type(e) is type(first) and str(e) == str(first) for e in group.exceptions):
+                raise first from None  # one failure, seen by one or more tasks: raise it plainly
+            raise
+
+    # ---- setup and teardown ------------------------------------------------------------------
+
+    def _open_outputs(self, began: float) -> None:
+        cfg = self.config
+        self.trace = Trace(cfg.observe.trace_max_events, began=began)
+        self.loop_lag = LoopLag(cfg.observe.loop_probe_s)
+        self.metrics_file = JsonlSink(self.output_dir / METRICS)
+        self.ledger = JsonlSink(self.output_dir / LEDGER)
+        self.sinks = [self.metrics_file]
+        self.sinks += make_sinks(
+            cfg.observe.sinks,
+            self.output_dir,
+            total_steps=cfg.run.max_steps,
+            project=cfg.observe.wandb_project,
+            mode=cfg.observe.wandb_mode,
+            config=msgspec.to_builtins(cfg),
+        )
+        self.began = began
+
+    async def setup(self) -> None:
+        """Build every component and wire them; nothing starts running here."""
+        cfg = self.config
+        parts = await build(cfg, self._given, multi_turn=self.env is not None)
+        self.parts = parts
+        self.accounting = Accounting(self.ledger)
+        strategy: WeightStrategy = (
+            AdapterWeights(parts.runner, cfg.rollout.partial)
+            if cfg.trainer.lora.enabled
+            else FullWeights(parts.runner, parts.transport, cfg.rollout.partial)
+        )
+        self.supervisor = Supervisor(
+            parts.engine,
+            parts.engine_factory,
+            prepare=strategy.prepare,
+            max_restarts=cfg.engine.max_restarts,
+            health_check_s=cfg.engine.health_check_s,
+            trace=self.trace,
+            clock=self.clock,
+        )
+        self.weights = WeightPublisher(strategy, self.supervisor, self.admission, trace=self.trace, clock=self.clock)
+        self.producer = Producer(
+            cfg,
+            sampler=parts.sampler,
+            admission=self.admission,
+            buffer=self.buffer,
+            supervisor=self.supervisor,
+            scorer=self.scorer,
+            accounting=self.accounting,
+            tokenizer=parts.tokenizer,
+            trace=self.trace,
+            clock=self.clock,
+            spec=sampling_spec(cfg),
+            env=self.env,
+            chat=parts.chat,
+            teacher=parts.teacher,
+        )
+        self.checkpointer = Checkpointer(self.output_dir, cfg, parts.runner, trace=self.trace, clock=self.clock)
+        self.training = TrainingLoop(
+            cfg,
+            buffer=self.buffer,
+            runner=parts.runner,
+            publisher=self.weights,
+            producer=self.producer,
+            supervisor=self.supervisor,
+            accounting=self.accounting,
+            checkpointer=self.checkpointer,
+            checkpoint=lambda steps, stopping: self._checkpoint(steps, keep_pending=stopping),
+            sinks=self.sinks,
+            trace=self.trace,
+            loop_lag=self.loop_lag,
+            clock=self.clock,
+            stop=self._stop,
+            on_step=self.on_step,
+        )
+        self.training.began = self.began
+
+    async def _teardown(self) -> None:
+        """Account for every prompt, then release ranks, threads, scorers, transport and engine."""
+        self._settle()
+        self.producer.close()
+        await self.parts.runner.aclose()
+        await self.scorer.aclose()
+        await self.parts.transport.aclose()
+        await self.supervisor.aclose()
+        self._close_outputs()
+        if self.config.observe.trace:
+            self.trace.write(self.output_dir / "trace.json")
+
+    def _close_outputs(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.ledger.close()
+
+    def _settle(self) -> None:
+        self.accounting.settle(self.buffer, self.producer.take_in_flight())
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def _snapshot(self, step: int) -> RunState:
+        """The run's state at this instant (no await inside: nothing changes while it is taken)."""
+        return RunState(
+            step=step,
+            wall_s=self.clock() - self.began + self.training.wall_offset,
+            trainer={},
+            rng=rng_state(),
+            sampler=self.parts.sampler.state_dict(),
+            consumed=list(self.producer.consumed),
+            group_seq=self.producer.group_seq,
+            started=self.admission.started,
+            trained=self.accounting.trained,
+            dropped=dict(self.accounting.dropped),
+            nonfinite_streak=self.training.nonfinite_streak,
+            buffer=self.buffer.snapshot(),
+            in_flight=self.producer.snapshot(),
+            ledger_bytes=self.ledger.sync(),
+            metrics_bytes=self.metrics_file.sync(),
+        )
+
+    async def _checkpoint(self, step: int, *, keep_pending: bool) -> Path:
+        """A checkpoint after `step` steps. `keep_pending`: the run is stopping; its buffered and
+        in-flight work is saved, then cancelled without being dropped."""
+        state = self._snapshot(step)
+        if keep_pending:
+            self.accounting.hold_pending()
+            await self.admission.close()
+            self.producer.cancel()
+        return await self.checkpointer.save(state)
+
+    async def _restore(self, checkpoint: Path, state: RunState) -> None:
+        """Put the trainer, sampler, admission, buffer and counters back as the checkpoint has them
+        (in-flight groups are relaunched by the producer, engine weights after the engine starts)."""
+        await self.checkpointer.restore(checkpoint, state)
+        set_rng_state(state.rng)
+        self.parts.sampler.load_state_dict(state.sampler)
+        self.producer.consumed = list(state.consumed)
+        self.producer.group_seq = state.group_seq
+        self.producer.resume_from = list(state.in_flight)
+        self.accounting.trained = state.trained
+        self.accounting.dropped = dict(state.dropped)
+        self.training.nonfinite_streak = state.nonfinite_streak
+        self.training.first_step = state.step
+        self.training.wall_offset = state.wall_s
+        self.admission.started = state.started
+        await self.admission.advance(state.step)
+        for group in state.buffer:
+            await self.buffer.put(group)
+
+    async def _evaluate(self) -> EvalReport:
+        return await evaluate_held_out(
+            self.engine, self.config, self.parts.tokenizer, make_scorer(self.config.run.reward)
+        )
+
+
+async def train(
+    config: Config,
+    output_dir: str | Path,
+    *,
+    on_step: Callable[[dict], None] | None = None,
+    resume: bool = False,
+    reward_funcs: dict[str, RewardFunc] | None = None,
+    env: EnvFactory | None = None,
+) -> RunResult:
+    """Run training in the current event loop; writes config.toml, metrics.jsonl, ledger.jsonl
+    and checkpoints. `resume`: continue the run in `output_dir` from its latest checkpoint.
+    `reward_funcs`: reward functions by name (TRL signature), besides the configured ones.
+    `env`: makes each episode's `Environment` (multi-turn), instead of the one `env.name` names."""
+    controller = Controller(config, output_dir, on_step=on_step, resume=resume, reward_funcs=reward_funcs, env=env)
+    return await controller.run()

@@ -1,0 +1,103 @@
+"""Building a run's heavy components from its config, unless the caller passed its own.
+
+`build` returns one `Components` record: tokenizer, sampler, the trainer and the runner its
+calls go through, the distillation teacher, the engine and how to build a replacement, and the
+weight transport. Tests pass fakes (`rollflow.testing`) and the simulator passes timed ones;
+whatever is not given is built here. Nothing is started here: the controller starts the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rollflow.config import Config
+from rollflow.controller.trainer_thread import TrainerRunner, TrainerThread
+from rollflow.engine import ManagedEngine
+from rollflow.engine.factory import make_engine
+from rollflow.envs import ChatFormat
+from rollflow.models import chat_encoder, load_tokenizer, resolve_model
+from rollflow.sampler import Sampler
+from rollflow.trainer import TrainerBackend
+from rollflow.weight_sync import WeightTransport, make_transport
+
+
+@dataclass
+class Given:
+    """What the caller passed instead of building from the config (None: build it)."""
+
+    engine: ManagedEngine | None = None
+    engine_factory: Callable[[], ManagedEngine] | None = None
+    trainer: TrainerBackend | None = None
+    runner: TrainerRunner | None = None
+    transport: WeightTransport | None = None
+    tokenizer: Any = None
+
+
+@dataclass
+class Components:
+    """A run's built components (none of them started)."""
+
+    tokenizer: Any
+    sampler: Sampler
+    chat: ChatFormat | None
+    """Renders multi-turn conversations (only with an environment)."""
+    runner: TrainerRunner
+    teacher: Any
+    engine: ManagedEngine
+    engine_factory: Callable[[], ManagedEngine] | None
+    transport: WeightTransport
+
+
+async def build(config: Config, given: Given, *, multi_turn: bool) -> Components:
+    """The tokenizer, sampler, trainer, teacher, engine and transport: given ones or built
+    from the config (the trainer and teacher load in a thread; the loop keeps running)."""
+    needs_model = given.tokenizer is None or given.engine is None or (given.trainer is None and given.runner is None)
+    model_path = resolve_model(config.model.path) if needs_model else Path(config.model.path)
+    tokenizer = given.tokenizer or load_tokenizer(model_path)
+    runner = given.runner or TrainerThread(
+        given.trainer or await _load_trainer(config, model_path), config.run.trainer_cpus or None
+    )
+    teacher = None
+    if config.scoring.teacher:
+        from rollflow.scoring.distill import Teacher
+
+        teacher = await asyncio.to_thread(Teacher, resolve_model(config.scoring.teacher), config.trainer)
+    factory = given.engine_factory
+    if given.engine is not None:
+        engine = given.engine
+    else:
+        engine_config = config.engine
+        if config.trainer.lora.enabled and not engine_config.max_loras:
+            # Every adapter still used by an in-flight request stays loaded: max_lag + 2 of them.
+            engine_config = msgspec.structs.replace(engine_config, max_loras=config.run.max_lag + 2)
+        if factory is None:
+
+            def factory() -> ManagedEngine:
+                return make_engine(model_path, engine_config, config)
+
+        engine = factory()
+    return Components(
+        tokenizer=tokenizer,
+        sampler=Sampler(config.data, chat_encoder(tokenizer)),
+        chat=ChatFormat(tokenizer) if multi_turn else None,
+        runner=runner,
+        teacher=teacher,
+        engine=engine,
+        engine_factory=factory,
+        transport=given.transport or make_transport(config.run.weight_transport, host=config.run.weight_sync_host),
+    )
+
+
+async def _load_trainer(config: Config, model_path: Path) -> TrainerBackend:
+    import torch
+
+    from rollflow.trainer import Trainer
+
+    torch.set_num_threads(config.run.trainer_threads)
+    return await asyncio.to_thread(Trainer, model_path, config.trainer, config.loss)

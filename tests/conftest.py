@@ -1,0 +1,121 @@
+"""Helpers every test may use, as fixtures: fake-controller runs, tiny configs, trainer batches,
+and checks of the fake engine's per-token versions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import msgspec
+import pytest
+import torch
+
+from rollflow.config import load_config
+from rollflow.controller import Controller
+from rollflow.records import TrainBatch, TrainSample
+from rollflow.testing import EOS_TOKEN, FakeTokenizer, FakeTrainer, NullTransport, context_state, fake_token, mix
+
+
+def _tiny_config(max_tokens: int = 12, **run):
+    """The tiny preset with the `digits` reward, `sampling.max_tokens` and `run.*` overrides."""
+    overrides = [f"run.{k}={v}" for k, v in run.items()]
+    return load_config(preset="tiny", overrides=["run.reward=digits", f"sampling.max_tokens={max_tokens}", *overrides])
+
+
+@pytest.fixture
+def tiny_config():
+    return _tiny_config
+
+
+@pytest.fixture
+def run_fake():
+    """`await run_fake(tmp_path, engine, trainer=None, max_tokens=12, **run)`: a whole controller
+    run on fakes; returns (result, trainer, ledger lines, controller)."""
+
+    async def run(tmp_path, engine, trainer=None, max_tokens=12, **run):
+        trainer = trainer or FakeTrainer()
+        controller = Controller(
+            _tiny_config(max_tokens, **run), tmp_path, engine=engine, trainer=trainer, transport=NullTransport(),
+            tokenizer=FakeTokenizer(),
+        )
+        result = await asyncio.wait_for(controller.run(), 60)
+        ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+        return result, trainer, ledger, controller
+
+    return run
+
+
+@pytest.fixture
+def record_groups(monkeypatch):
+    """Every group the controller puts into a batch, in order (a list filled as the run goes)."""
+    import rollflow.controller.training as training
+
+    seen: list = []
+    build = training.build_batch
+
+    def recording(step, groups, **kwargs):
+        seen.extend(groups)
+        return build(step, groups, **kwargs)
+
+    monkeypatch.setattr(training, "build_batch", recording)
+    return seen
+
+
+def _versions_exact(prompt_ids, tokens, versions):
+    """FakeEngine's token after a context is a hash of (context, version): replaying the
+    sample shows every token was computed by exactly the version it is labelled with."""
+    state = context_state(prompt_ids)
+    for token, version in zip(tokens, versions, strict=True):
+        if token != EOS_TOKEN:
+            assert token == fake_token(state, version, 1000)[0]
+        state = mix(state, token)
+
+
+@pytest.fixture
+def assert_versions_exact():
+    return _versions_exact
+
+
+def _make_batch(trainer, n: int = 6, seed: int = 0, **sampling) -> TrainBatch:
+    """Completions sampled from the model itself, with its own log-probs as behaviour (on-policy)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    samples = []
+    for i in range(n):
+        prompt = [rng.randrange(3, 800) for _ in range(rng.randint(3, 9))]
+        with torch.no_grad():
+            out = trainer.lm.generate(
+                torch.tensor([prompt], device=trainer.device), do_sample=True, max_new_tokens=rng.randint(2, 12),
+                min_new_tokens=2,
+                temperature=sampling.get("temperature", 1.0), top_k=sampling.get("top_k", 0) or None,
+                top_p=sampling.get("top_p", 1.0), pad_token_id=0,
+            )
+        completion = out[0, len(prompt):].tolist()
+        samples.append(TrainSample(
+            input_ids=prompt + completion, prompt_len=len(prompt), logprobs=[0.0] * len(completion),
+            loss_mask=[1] * len(completion), advantage=(1.0 if i % 2 else -1.0) * (0.5 + i / n), **sampling,
+        ))
+    behaviour = trainer.score(samples)
+    samples = [msgspec.structs.replace(s, logprobs=lp) for s, lp in zip(samples, behaviour, strict=True)]
+    return TrainBatch(step=0, samples=samples, max_tokens=12)
+
+
+@pytest.fixture
+def make_batch():
+    """`make_batch(trainer, n=6, seed=0, **sampling)`: an on-policy batch from the model itself."""
+    return _make_batch
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float, name: str = "") -> None:
+    """Equal up to `rel` times the reference's largest magnitude: a tolerance that holds for any
+    summation order (a sum over many elements can differ by a few ulps of its scale anywhere)."""
+    scale = want.abs().max().item() if want.numel() else 0.0
+    diff = (got - want).abs().max().item() if want.numel() else 0.0
+    assert diff <= rel * max(scale, 1e-12), f"{name}: max |got - want| = {diff:.3g} > {rel:g} x scale {scale:.3g}"
+
+
+@pytest.fixture
+def close():
+    """`close(got, want, rel, name)`: see `assert_close`."""
+    return assert_close
