@@ -48,6 +48,9 @@ class InFlight:
     task: asyncio.Task[None] | None = None
     generating: bool = True
     """Still streaming (False while it is scored)."""
+    settled: bool = False
+    """In the buffer, or dropped with a reason. A group cancelled before it could say which
+    stays registered, and the run's end drops it."""
 
 
 class Producer:
@@ -133,9 +136,18 @@ class Producer:
         try:
             samples = await self._generate(entry)
             if samples is not None:
-                await self._score(entry.prompt, samples)
+                await self._score(entry, samples)
         finally:
-            self.in_flight.pop(entry.prompt.id, None)
+            if entry.settled:
+                self.in_flight.pop(entry.prompt.id, None)
+
+    def _drop(self, entry: InFlight, reason: str, *, abandoned: int = 0) -> None:
+        """The group ends without training; `abandoned`: samples the run's end left unfinished."""
+        entry.settled = True
+        if abandoned:
+            self.accounting.abandon(entry.prompt.id, reason, abandoned)
+        else:
+            self.accounting.drop(entry.prompt.id, reason)
 
     def _generated(self, entry: InFlight) -> None:
         entry.generating = False
@@ -169,14 +181,13 @@ class Producer:
             self._generated(entry)
             if isinstance(err, asyncio.CancelledError):
                 if not self.accounting.pending_held:
-                    self.accounting.drop(prompt.id, "run ended: in flight")
+                    self._drop(entry, "run ended: in flight", abandoned=len(tasks))
                 raise
             if isinstance(err, EngineError) and not isinstance(err, EngineDeadError):
-                self.accounting.drop(prompt.id, f"engine error: {err}")
+                self._drop(entry, f"engine error: {err}")
                 await self.admission.release(len(tasks))
                 return None
-            # The error ends the run; the prompt is still accounted for.
-            self.accounting.drop(prompt.id, f"run failed: {err}")
+            self._drop(entry, f"run failed: {err}")  # the error ends the run; the prompt is still accounted for
             raise
         self._generated(entry)
         self.generated_tokens += sum(sample.num_tokens for sample in samples)
@@ -240,10 +251,10 @@ class Producer:
 
     # ---- scoring ----------------------------------------------------------------------------
 
-    async def _score(self, prompt: Prompt, samples: list[Sample]) -> None:
+    async def _score(self, entry: InFlight, samples: list[Sample]) -> None:
         """Rewards (and teacher log-probs), then advantages; the group goes into the buffer, or
         is dropped when none of its samples could be scored."""
-        cfg = self.config
+        cfg, prompt = self.config, entry.prompt
         began = self.clock()
         texts = [self.tokenizer.decode(s.completion_token_ids, skip_special_tokens=True) for s in samples]
         prior = [episode_score(s) for s in samples] if self.env is not None else None
@@ -253,7 +264,7 @@ class Producer:
                 samples, results = await self._teacher_logprobs(samples, results)
         except asyncio.CancelledError:
             if not self.accounting.pending_held:
-                self.accounting.drop(prompt.id, "run ended: being scored")
+                self._drop(entry, "run ended: being scored", abandoned=len(samples))
             raise
         scored = [
             msgspec.structs.replace(
@@ -263,7 +274,7 @@ class Producer:
         ]
         self.trace.span("reward", "reward", began, self.clock(), prompt=prompt.id, rewards=[s.reward for s in scored])
         if all(s.reward is None for s in scored):
-            self.accounting.drop(prompt.id, f"unscorable: {scored[0].unscorable}")
+            self._drop(entry, f"unscorable: {scored[0].unscorable}")
             await self.admission.release(len(scored))
             return
         adv = group_advantages([s.reward for s in scored], estimator=cfg.loss.advantage, scale_std=cfg.loss.scale_std)
@@ -276,6 +287,7 @@ class Producer:
             )
             credit = [None if t is None else [cfg.scoring.process_coef * a for a in t] for t in per_token]
         await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages, token_advantages=credit))
+        entry.settled = True
 
     async def _teacher_logprobs(
         self, samples: list[Sample], results: list[Scored]
@@ -309,7 +321,8 @@ class Producer:
                 entry.task.cancel()
 
     def take_in_flight(self) -> list[str]:
-        """The prompt ids still registered (their tasks never ran to an end), forgetting them."""
+        """The prompt ids still registered (cancelled before they were buffered or dropped),
+        forgetting them."""
         ids = list(self.in_flight)
         self.in_flight.clear()
         return ids
