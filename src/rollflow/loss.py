@@ -257,8 +257,15 @@ def policy_loss(
     surrogate = torch.minimum(ratio * adv, clipped * adv)
     per_token = -weights.detach() * surrogate  # (B, T)
     kl = torch.zeros_like(per_token)
+    kl_mask = mask
     if ref_logprobs is not None and kl_coef != 0.0:
-        delta = ref_logprobs - logprobs
+        # Only loss tokens the reference gives a finite log-prob (under top-k / top-p it can be
+        # -inf) reach the arithmetic: elsewhere delta is 0, so neither the value nor the
+        # gradient meets an inf (inf × 0 would be NaN).
+        kl_mask = mask * torch.isfinite(ref_logprobs)
+        defined = kl_mask.bool()
+        delta = torch.where(defined, ref_logprobs, logprobs.detach()) - logprobs  # (B, T)
+        delta = torch.where(defined, delta, torch.zeros_like(delta))
         kl = delta.exp() - delta - 1.0  # k3 estimator of KL(π || π_ref), >= 0
         per_token = per_token + kl_coef * kl
     if normalization == "token_mean":
@@ -287,6 +294,6 @@ def policy_loss(
             "is_masked_frac": 1.0 - kept.sum() / mask.sum().clamp(min=1),
             # KL(μ || π) by the k3 estimator over the behaviour samples: r - 1 - log r, r = π/μ.
             "mismatch_kl": (log_ratio.exp() - 1.0 - log_ratio).mean(),
-            "kl_ref": _masked_mean(kl, mask),
+            "kl_ref": _masked_mean(kl, kl_mask),
         }
     return loss, metrics

@@ -161,3 +161,23 @@ def test_k3_kl_to_reference():
     assert metrics["kl_ref"].item() == pytest.approx(k3, rel=1e-6)
     loss_plain, _ = policy_loss(logprobs, behaviour, advantages, mask)
     assert (loss_kl - loss_plain).item() == pytest.approx(0.1 * k3, rel=1e-5)
+
+
+def test_kl_to_a_reference_with_truncated_support_stays_finite():
+    """Under top-k / top-p sampling the reference's log-prob of a token can be -inf: outside its
+    support. Such tokens, and masked ones (environment tokens), must not reach the KL arithmetic:
+    the loss and its gradient stay finite, and the KL is the k3 mean over the tokens where the
+    reference defines it."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5, -1.5]], requires_grad=True)
+    behaviour = logprobs.detach().clone()
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])  # token 2: an environment token
+    inf = float("-inf")
+    ref = torch.tensor([[-1.5, inf, inf, -1.0]])  # token 1 outside the reference's support
+    loss, metrics = policy_loss(logprobs, behaviour, torch.tensor([1.0]), mask, ref_logprobs=ref, kl_coef=0.1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+    k3 = [math.exp(d) - d - 1.0 for d in (-0.5, 0.5)]  # tokens 0 and 3
+    assert metrics["kl_ref"].item() == pytest.approx(sum(k3) / 2, rel=1e-5)
+    plain, _ = policy_loss(logprobs.detach(), behaviour, torch.tensor([1.0]), mask)
+    assert (loss - plain).item() == pytest.approx(0.1 * sum(k3) / 3, rel=1e-5)  # divided by the 3 loss tokens
+    assert logprobs.grad[0, 2].item() == 0.0 and logprobs.grad[0, 1].item() == pytest.approx(-1.0 / 3, rel=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import msgspec
 import pytest
@@ -139,3 +140,28 @@ def test_save_and_load_restore_weights_optimizer_and_schedule(tmp_path, make_bat
     a.step(batch)
     b.step(batch)  # identical only if AdamW's moments came back too
     assert all(torch.equal(x, y) for x, y in zip(params(a).values(), params(b).values(), strict=True))
+
+
+def test_kl_penalty_with_top_k_and_masked_tokens_stays_finite(make_batch):
+    """`loss.kl_coef` with top-k sampling and an environment token outside the top-k support: the
+    reference's log-prob there is -inf, and the step must still be finite (not skipped)."""
+    trainer = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3), LossConfig(kl_coef=0.01))
+    batch = make_batch(trainer, top_k=5)
+    first = batch.samples[0]
+    ids = torch.tensor([first.input_ids])
+    with torch.no_grad():
+        logits = trainer.lm(input_ids=ids).logits[0]
+    # An environment token (mask 0) the model would never sample under top-k 5: its least likely one.
+    position = first.prompt_len + 1
+    token = int(logits[position - 1].argmin())
+    input_ids = list(first.input_ids)
+    input_ids[position] = token
+    mask = list(first.loss_mask)
+    mask[1] = 0
+    behaviour = list(first.logprobs)
+    behaviour[1] = 0.0
+    env_sample = msgspec.structs.replace(first, input_ids=input_ids, loss_mask=mask, logprobs=behaviour)
+    poisoned = msgspec.structs.replace(batch, samples=[env_sample, *batch.samples[1:]])
+    metrics = trainer.step(poisoned)
+    assert metrics["skipped"] == 0.0 and math.isfinite(metrics["loss"]) and math.isfinite(metrics["kl_ref"])
+    assert math.isfinite(metrics["grad_norm"]) and trainer.steps == 1
