@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rollflow.envs import ChatFormat, EpisodeLimits, load_environment, run_episode
+from rollflow.envs import ChatFormat, EnvStep, EpisodeLimits, episode_score, load_environment, run_episode
 from rollflow.envs.calculator import CalculatorEnv
 from rollflow.envs.retry import TRY_AGAIN, RetryEnv
 from rollflow.envs.tools import ToolCall, call_tool, parse_tool_calls
@@ -192,6 +192,60 @@ async def test_an_environment_that_raises_or_hangs_makes_the_episode_unscorable(
     sample, calls = await episode(chat, BrokenReset(), ["5"])
     assert sample.unscorable == "environment: reset raised KeyError: 'no such level'" and calls == []
     assert sample.prompt_token_ids == prompt().token_ids and sample.completion_token_ids == []
+
+
+class Answers(Broken):
+    """Answers every turn with `result` (whatever a user's environment might return)."""
+
+    def __init__(self, result, opening=None):
+        super().__init__()
+        self.result, self.opening, self.closed = result, opening, 0
+
+    async def reset(self, prompt):
+        return self.opening if self.opening is not None else list(prompt.messages)
+
+    async def step(self, turn):
+        return self.result
+
+    async def aclose(self):
+        self.closed += 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("result", "opening", "reason"),
+    [
+        (None, None, "environment: step returned None (NoneType), expected an EnvStep"),
+        ("done", None, "environment: step returned 'done' (str), expected an EnvStep"),
+        (EnvStep(reward="1.0", done=True), None, "environment: step returned reward '1.0' (str), expected a finite"),
+        (EnvStep(reward=float("nan"), done=True), None, "environment: step returned reward nan (float), expected a"),
+        (EnvStep(reward=True, done=True), None, "environment: step returned reward True (bool), expected a finite"),
+        (EnvStep(messages=["hi"]), None, "environment: step returned messages ['hi'] (list), expected a list of"),
+        (EnvStep(done=True), "hello", "environment: reset returned 'hello' (str), expected a list of Message"),
+    ],
+    ids=["none", "string", "string-reward", "nan-reward", "bool-reward", "bad-messages", "bad-reset"],
+)
+async def test_what_an_environment_returns_is_checked_and_a_bad_value_is_the_episode_unscorable(
+    chat, result, opening, reason
+):
+    env = Answers(result, opening)
+    sample, _ = await episode(chat, env, ["5"])
+    assert sample.unscorable is not None and sample.unscorable.startswith(reason), sample.unscorable
+    assert sample.process_rewards == [] and env.closed == 1
+    assert episode_score(sample).reward is None  # never a NaN or a coerced string in the loss
+
+
+@pytest.mark.timeout(60)
+async def test_an_environment_is_closed_when_its_episode_raises(chat):
+    env = Answers(EnvStep(messages=[Message(role="user", content="again")]))
+
+    async def generate(token_ids, spec, n):
+        raise RuntimeError("engine gone")
+
+    with pytest.raises(RuntimeError, match="engine gone"):
+        await run_episode(env, prompt(), SamplingSpec(max_tokens=64), generate, chat, group_id="g", index=0,
+                          limits=EpisodeLimits())
+    assert env.closed == 1
 
 
 @pytest.mark.timeout(60)

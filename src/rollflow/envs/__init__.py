@@ -22,6 +22,8 @@ does not run reward functions (see `rollflow.scoring`) or generate (the caller's
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,6 +32,8 @@ import msgspec
 from rollflow.errors import ConfigError
 from rollflow.records import Message, Prompt, Sample, SamplingSpec
 from rollflow.scoring import Scored
+
+log = logging.getLogger(__name__)
 
 
 class Turn(msgspec.Struct, frozen=True, kw_only=True):
@@ -145,52 +149,54 @@ async def run_episode(
     failure: str | None = None
     turns = 0
     try:
-        messages = list(await _bounded(env.reset(prompt), limits.step_timeout_s, "reset"))
-        rendered = chat.render(messages)
-        opening = chat.tokens(rendered)
-    except _EnvFailed as err:  # no episode: the sample is the prompt alone, unscorable
-        failure, finish_reason, opening = str(err), "stop", prompt.token_ids
-    while failure is None and turns < limits.max_turns:
-        room = min(limits.max_tokens - len(tokens), limits.max_model_len - len(opening) - len(tokens))
-        budget = min(sampling.max_tokens, room)
-        if budget <= 0:
-            finish_reason = "length"
-            break
-        spec = msgspec.structs.replace(sampling, max_tokens=budget)
-        turn = await generate(opening + tokens, spec, turns)
-        tokens += turn.completion_token_ids
-        logprobs += turn.logprobs
-        versions += turn.versions
-        mask += [1] * turn.num_tokens
-        interruptions += turn.interruptions
-        finish_reason = turn.finish_reason
-        text = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=False)
-        rendered += text
-        messages.append(Message(role="assistant", content=chat.assistant_content(text)))
-        plain = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=True)
         try:
-            turn_seen = Turn(text=plain, finish_reason=turn.finish_reason, index=turns)
-            result = await _bounded(env.step(turn_seen), limits.step_timeout_s, "step")
-        except _EnvFailed as err:
-            failure = str(err)
-            break
-        turns += 1
-        if result.reward is not None and tokens:
-            steps.append((len(tokens) - 1, float(result.reward)))
-        if result.done or not result.messages:
-            finish_reason = "stop" if result.done else finish_reason
-            break
-        messages += result.messages
-        rendered, added = chat.extend(rendered, messages)
-        if len(tokens) + len(added) >= min(limits.max_tokens, limits.max_model_len - len(opening)):
-            finish_reason = "length"  # no room left for another turn after what the environment said
-            break
-        last_version = versions[-1] if versions else 0
-        tokens += added
-        logprobs += [0.0] * len(added)
-        versions += [last_version] * len(added)
-        mask += [0] * len(added)
-    await _close(env)
+            messages = _opening(await _bounded(env.reset(prompt), limits.step_timeout_s, "reset"))
+            rendered = chat.render(messages)
+            opening = chat.tokens(rendered)
+        except _EnvFailed as err:  # no episode: the sample is the prompt alone, unscorable
+            failure, finish_reason, opening = str(err), "stop", prompt.token_ids
+        while failure is None and turns < limits.max_turns:
+            room = min(limits.max_tokens - len(tokens), limits.max_model_len - len(opening) - len(tokens))
+            budget = min(sampling.max_tokens, room)
+            if budget <= 0:
+                finish_reason = "length"
+                break
+            spec = msgspec.structs.replace(sampling, max_tokens=budget)
+            turn = await generate(opening + tokens, spec, turns)
+            tokens += turn.completion_token_ids
+            logprobs += turn.logprobs
+            versions += turn.versions
+            mask += [1] * turn.num_tokens
+            interruptions += turn.interruptions
+            finish_reason = turn.finish_reason
+            text = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=False)
+            rendered += text
+            messages.append(Message(role="assistant", content=chat.assistant_content(text)))
+            plain = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=True)
+            try:
+                turn_seen = Turn(text=plain, finish_reason=turn.finish_reason, index=turns)
+                result = _answer(await _bounded(env.step(turn_seen), limits.step_timeout_s, "step"))
+            except _EnvFailed as err:
+                failure = str(err)
+                break
+            turns += 1
+            if result.reward is not None and tokens:
+                steps.append((len(tokens) - 1, result.reward))
+            if result.done or not result.messages:
+                finish_reason = "stop" if result.done else finish_reason
+                break
+            messages += result.messages
+            rendered, added = chat.extend(rendered, messages)
+            if len(tokens) + len(added) >= min(limits.max_tokens, limits.max_model_len - len(opening)):
+                finish_reason = "length"  # no room left for another turn after what the environment said
+                break
+            last_version = versions[-1] if versions else 0
+            tokens += added
+            logprobs += [0.0] * len(added)
+            versions += [last_version] * len(added)
+            mask += [0] * len(added)
+    finally:
+        await _close(env)
     return Sample(
         prompt_id=prompt.id,
         group_id=group_id,
@@ -222,10 +228,42 @@ async def _bounded(call: Awaitable[Any], timeout_s: float, what: str) -> Any:
         raise _EnvFailed(f"environment: {what} raised {type(err).__name__}: {err}") from err
 
 
+def _opening(messages: Any) -> list[Message]:
+    """`reset`'s result, checked: a list of `Message`s."""
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Message) for m in messages):
+        raise _EnvFailed(f"environment: reset returned {_shown(messages)}, expected a list of Message")
+    return list(messages)
+
+
+def _answer(result: Any) -> EnvStep:
+    """`step`'s result, checked: an `EnvStep` whose reward is None or a finite number (never a
+    string taken for a number, never NaN)."""
+    if not isinstance(result, EnvStep):
+        raise _EnvFailed(f"environment: step returned {_shown(result)}, expected an EnvStep")
+    if not isinstance(result.messages, (list, tuple)) or not all(isinstance(m, Message) for m in result.messages):
+        raise _EnvFailed(f"environment: step returned messages {_shown(result.messages)}, expected a list of Message")
+    reward = result.reward
+    if reward is None:
+        return result
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise _EnvFailed(f"environment: step returned reward {_shown(reward)}, expected a finite number or None")
+    return msgspec.structs.replace(result, reward=float(reward))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{text[:80]}... ({type(value).__name__})" if len(text) > 80 else f"{text} ({type(value).__name__})"
+
+
 async def _close(env: Environment) -> None:
+    """Close the episode's environment, whatever ended it; a failing close is logged."""
     close = getattr(env, "aclose", None)
-    if close is not None:
+    if close is None:
+        return
+    try:
         await close()
+    except Exception as err:
+        log.warning("environment: aclose raised %s: %s", type(err).__name__, err)
 
 
 def episode_score(sample: Sample) -> Scored:
