@@ -531,11 +531,27 @@ def load_config(
 
 
 def config_from_dict(data: dict[str, Any], *, source: str = "config") -> Config:
-    """Validate a plain dict against the schema."""
+    """Validate a plain dict against the schema, then the settings that depend on each other."""
     try:
-        return msgspec.convert(data, Config)
+        config = msgspec.convert(data, Config)
     except msgspec.ValidationError as err:
         raise _explain(err, source) from None
+    if config.trainer.schedule == "cosine" and config.trainer.total_steps <= config.trainer.warmup_steps:
+        raise ConfigError(
+            f"{source}: trainer.total_steps: the cosine schedule decays over total_steps, which must exceed "
+            f"trainer.warmup_steps ({config.trainer.warmup_steps}); got {config.trainer.total_steps} "
+            '(set it to run.max_steps, or use schedule = "constant")'
+        )
+    return config
+
+
+def check_training(config: Config) -> None:
+    """Refuse settings a training run cannot use, though other commands can (e.g. `generate`)."""
+    if config.sampling.temperature <= 0:
+        raise ConfigError(
+            "sampling.temperature: training samples need a temperature > 0 (0 is greedy decoding, which has "
+            "no distribution to compute importance ratios against); greedy is only for `generate` and evaluation"
+        )
 
 
 def dump_config(config: Config) -> str:

@@ -72,3 +72,29 @@ def test_bad_override_and_preset_and_missing_file(tmp_path):
         load_config(preset="huge")
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "absent.toml")
+
+
+def test_a_cosine_schedule_without_its_length_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"trainer\.total_steps: the cosine schedule .* got 0"):
+        load_config(preset="tiny", overrides=["trainer.schedule=cosine"])
+    with pytest.raises(ConfigError, match=r"trainer\.total_steps: .*trainer\.warmup_steps \(5\); got 5"):
+        load_config(overrides=["trainer.schedule=cosine", "trainer.warmup_steps=5", "trainer.total_steps=5"])
+    assert load_config(overrides=["trainer.schedule=cosine", "trainer.total_steps=20"]).trainer.total_steps == 20
+
+
+async def test_greedy_sampling_is_refused_for_training_before_anything_is_written(tmp_path):
+    from rollflow.controller import Controller
+
+    config = load_config(preset="tiny", overrides=["sampling.temperature=0"])  # fine for `generate`
+    with pytest.raises(ConfigError, match=r"sampling\.temperature: training samples need a temperature > 0"):
+        Controller(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_cli_refuses_greedy_training_with_exit_code_2(tmp_path, capsys, monkeypatch):
+    from rollflow.__main__ import main
+
+    monkeypatch.setenv("ROLLFLOW_NO_UVLOOP", "1")  # keep the test session's event loop policy
+    code = main(["train", "--preset", "tiny", "--set", "sampling.temperature=0", "--output-dir", str(tmp_path / "r")])
+    assert code == 2 and "sampling.temperature" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

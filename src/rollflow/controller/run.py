@@ -21,7 +21,7 @@ import msgspec
 
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState, rng_state, set_rng_state
-from rollflow.config import Config, dump_config
+from rollflow.config import Config, check_training, dump_config
 from rollflow.controller.accounting import Accounting
 from rollflow.controller.persistence import METRICS, Checkpointer, prepare_output_dir
 from rollflow.controller.producer import Producer
@@ -113,6 +113,7 @@ class Controller:
         configured in `[[scoring.rewards]]` (an entry with the same name sets its weight and
         timeout). `env`: makes the `Environment` of each multi-turn episode (default: the one
         `env.name` names; none: single-turn samples)."""
+        check_training(config)
         check_engines(config)
         self.config = config
         self.output_dir = Path(output_dir)
@@ -323,7 +324,12 @@ class Controller:
         self.ledger.close()
 
     def _settle(self) -> None:
-        self.accounting.settle(self.buffer, self.producer.take_in_flight())
+        """Drop what the run leaves unfinished (unless a checkpoint holds it) and give its
+        admission room back: the final checkpoint then counts only samples that were trained."""
+        self.accounting.settle(self.buffer, self.producer.take_in_flight(), self.config.rollout.group_size)
+        if self.accounting.abandoned:
+            self.admission.forget(self.accounting.abandoned)
+            self.accounting.abandoned = 0
 
     # ---- checkpoints -------------------------------------------------------------------------
 
