@@ -60,6 +60,13 @@ class Admission:
             self.started -= n
             self._changed.notify_all()
 
+    def forget(self, n: int) -> None:
+        """`n` started samples were dropped after admission closed (the run ended): they no
+        longer count, so a checkpoint taken now holds only the samples that were trained."""
+        if not self.closed:
+            raise RuntimeError("Admission.forget is for a closed admission; use release while it is open")
+        self.started -= n
+
     async def advance(self, version: int) -> None:
         """The engine now holds `version`: more samples may start."""
         async with self._changed:

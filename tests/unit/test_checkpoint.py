@@ -117,6 +117,21 @@ async def test_resume_needs_a_checkpoint_and_steps_left(tmp_path):
     assert result.first_step == 2 and result.steps == 1
 
 
+async def test_a_finished_run_resumed_for_more_steps_keeps_generating_ahead(tmp_path):
+    """The groups a finished run leaves unfinished are dropped and give their admission room back:
+    the final checkpoint counts only trained samples, and the resumed steps overlap generation
+    with training (lag > 0 appears with max_lag 2) as the first run's did."""
+    first = await asyncio.wait_for(make(tmp_path, run__max_steps=4, run__max_lag=2).run(), 60)
+    samples_per_step = 4 * 4
+    assert max(m["lag_max"] for m in first.metrics) > 0
+    assert read_state(latest_checkpoint(tmp_path)).started == 4 * samples_per_step
+    resumed = await asyncio.wait_for(make(tmp_path, resume=True, run__max_steps=8, run__max_lag=2).run(), 60)
+    assert resumed.first_step == 4 and resumed.steps == 4
+    assert max(m["lag_max"] for m in resumed.metrics) > 0
+    summary = summarize(tmp_path)
+    assert summary.ok and summary.missing == [] and summary.duplicates == []
+
+
 async def test_resume_refuses_changed_settings_the_checkpoint_depends_on(tmp_path):
     await asyncio.wait_for(make(tmp_path, run__max_steps=2).run(), 60)
     saved = (tmp_path / "config.toml").read_text()

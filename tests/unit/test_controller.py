@@ -55,8 +55,7 @@ async def test_async_mode_respects_the_bound_and_accounts_every_prompt(tmp_path,
     assert max(m["lag_max"] for m in result.metrics) >= 1  # asynchrony actually happened
     ids = [e["id"] for e in ledger]
     assert len(ids) == len(set(ids))  # exactly once
-    started = controller.admission.started // controller.config.rollout.group_size
-    assert len(ids) == started  # every started prompt is in the ledger
+    assert len(ids) == controller.producer.group_seq  # every started prompt is in the ledger
     assert controller.admission.started <= controller.admission.capacity(engine.version)
     assert {e["reason"].split(":")[0] for e in ledger if e["outcome"] == "dropped"} <= {"run ended"}
 
@@ -97,7 +96,7 @@ async def test_cancelling_a_run_mid_step_still_accounts_every_started_prompt(tmp
     entries = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     ids = [e["id"] for e in entries]
     assert len(ids) == len(set(ids))
-    assert len(ids) == controller.admission.started // controller.config.rollout.group_size
+    assert len(ids) == controller.producer.group_seq  # every started prompt, once
     assert engine.num_live == 0  # every in-flight request was aborted
 
 

@@ -29,11 +29,19 @@ class Accounting:
         """Groups of the step being trained: out of the buffer, not yet in the ledger."""
         self.pending_held = False
         """A checkpoint holds the buffer and the work in flight: they are not dropped at exit."""
+        self.abandoned = 0
+        """Samples of groups dropped because the run ended (their admission room is given back
+        before the final checkpoint, so a resumed run starts with a full window)."""
 
     def drop(self, prompt_id: str, reason: str) -> None:
         self.ledger.write(LedgerEntry(id=prompt_id, outcome="dropped", reason=reason))
         key = reason.split(":")[0]
         self.dropped[key] = self.dropped.get(key, 0) + 1
+
+    def abandon(self, prompt_id: str, reason: str, samples: int) -> None:
+        """Drop a group the run's end left unfinished."""
+        self.drop(prompt_id, reason)
+        self.abandoned += samples
 
     def record_step(self, step: int, groups: list[Group], *, skipped: bool) -> None:
         """The step's groups are trained (or all dropped, when a non-finite loss skipped it)."""
@@ -50,15 +58,15 @@ class Accounting:
         """A checkpoint now holds the buffer and every group in flight."""
         self.pending_held = True
 
-    def settle(self, buffer: GroupBuffer, in_flight: Iterable[str]) -> None:
+    def settle(self, buffer: GroupBuffer, in_flight: Iterable[str], group_size: int) -> None:
         """The run ends: prompts started but not trained are dropped with a reason (unless a
         checkpoint holds them). `in_flight`: prompt ids still generating or being scored."""
         if self.pending_held:
             return
         for group in self.stepping:
-            self.drop(group.prompt.id, "run ended: its step was interrupted")
+            self.abandon(group.prompt.id, "run ended: its step was interrupted", len(group.samples))
         self.stepping = []
         for group in buffer.drain():
-            self.drop(group.prompt.id, "run ended: generated, not trained")
+            self.abandon(group.prompt.id, "run ended: generated, not trained", len(group.samples))
         for prompt_id in in_flight:
-            self.drop(prompt_id, "run ended: in flight")
+            self.abandon(prompt_id, "run ended: in flight", group_size)
