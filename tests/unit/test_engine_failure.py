@@ -9,7 +9,7 @@ import pytest
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
-from rollflow.errors import EngineDeadError
+from rollflow.errors import EngineDeadError, WeightSyncError
 from rollflow.ledger import summarize
 from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
 
@@ -46,12 +46,15 @@ class MortalEngine(FakeEngine):
         return await super().update_weights_with(load, **kwargs)
 
 
-def make(tmp_path, engines: list[MortalEngine], die_after: list[int | None], **settings):
+def make(tmp_path, engines: list[MortalEngine], die_after: list[int | None], kinds=(), **settings):
+    """A controller on fake engines: engine n dies after `die_after[n]` tokens and is of class
+    `kinds[n]` (default `MortalEngine`)."""
     overrides = ["run.reward=digits", f"sampling.max_tokens={MAX_TOKENS}", "observe.sinks=[]", "run.max_steps=6"]
     overrides += [f"{key.replace('__', '.')}={value}" for key, value in settings.items()]
 
     def new_engine() -> MortalEngine:
-        engines.append(MortalEngine(die_after[len(engines)], token_delay=0.002))
+        kind = kinds[len(engines)] if len(engines) < len(kinds) else MortalEngine
+        engines.append(kind(die_after[len(engines)], token_delay=0.002))
         return engines[-1]
 
     return Controller(
@@ -102,4 +105,29 @@ async def test_an_engine_that_keeps_dying_stops_the_run_with_a_clear_error(tmp_p
         await asyncio.wait_for(controller.run(), 60)
     assert len(engines) == 2
     summary = summarize(tmp_path)  # everything started is still accounted for, once
+    assert summary.duplicates == [] and summary.trained + sum(summary.dropped.values()) == controller.producer.group_seq
+
+
+class UnloadableEngine(MortalEngine):
+    """Starts, but cannot take weights: a replacement whose preparation fails."""
+
+    closed = False
+
+    async def update_weights(self, weights, **kwargs) -> int:
+        raise WeightSyncError("fake weight load failed")
+
+    async def aclose(self) -> None:
+        self.closed = True
+        await super().aclose()
+
+
+async def test_a_replacement_that_cannot_take_the_weights_is_closed_not_leaked(tmp_path):
+    engines: list[MortalEngine] = []
+    controller = make(
+        tmp_path, engines, die_after=[2 * 16 * MAX_TOKENS + 100, None], kinds=(MortalEngine, UnloadableEngine)
+    )
+    with pytest.raises(WeightSyncError, match="fake weight load failed"):
+        await asyncio.wait_for(controller.run(), 60)
+    assert len(engines) == 2 and engines[1].closed
+    summary = summarize(tmp_path)
     assert summary.duplicates == [] and summary.trained + sum(summary.dropped.values()) == controller.producer.group_seq

@@ -95,8 +95,13 @@ class Supervisor:
             with contextlib.suppress(Exception):
                 await dead.aclose()
             engine = self.factory()
-            await engine.start()
-            version = await self.prepare(engine)
+            try:
+                await engine.start()
+                version = await self.prepare(engine)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the replacement failed: it must not outlive the run
+                    await engine.aclose()
+                raise
             self.engine = engine
             self.trace.span("engine restart", "engine update", began, self.clock(), version=version)
             log.error("engine restarted in %.1f s, serving version %d", self.clock() - began, version)
