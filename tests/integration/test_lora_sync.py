@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rollflow.config import EngineConfig, LoRAConfig, TrainerConfig
+from rollflow.engine import EngineOutput
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.models import tiny_model_path
 from rollflow.records import Prompt, SamplingSpec
@@ -67,6 +68,13 @@ async def test_adapter_sync_matches_peft_and_in_flight_requests_finish_on_their_
     trained_adapter(trainer, make_batch, seed=1)
     v2 = await engine.update_adapter(trainer.adapter_weights(), trainer.adapter_config())
     assert engine.loaded_adapters == [v1, v2]  # v1 stays loaded while in use
+    # What a checkpoint (or a rescue from a dead engine) saves of it carries v1 too, not the base
+    # model's label: adapters are versioned by name, vLLM's weight label never changes.
+    while not (engine.partial("lf/0") or EngineOutput([], [])).token_ids:
+        await asyncio.sleep(0.005)
+    saved = engine.partial("lf/0")
+    assert saved is not None and 0 < len(saved.versions) == len(saved.token_ids)
+    assert saved.versions == [v1] * len(saved.token_ids)
     sample = await task
     assert sample.finish_reason == "length" and sample.completion_token_ids == want_v1
     assert sample.versions == [v1] * 48

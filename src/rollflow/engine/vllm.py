@@ -66,7 +66,8 @@ class VLLMEngine:
         self._version = 0
         self._update_lock = asyncio.Lock()
         self._aborted: set[str] = set()
-        self._live: set[str] = set()
+        self._live: dict[str, int | None] = {}
+        """Requests streaming, with the adapter version each started on (None: no adapters)."""
         self.adapters = Adapters()
         """Loaded LoRA adapters by version (adapter-only sync); version 0 is the base model."""
         self.salt_prefix_cache = True
@@ -169,7 +170,7 @@ class VLLMEngine:
         # its tokens carry that adapter's version.
         adapter_version = self._version if self.adapters.loaded else None
         lora = self.adapters.use(adapter_version) if adapter_version is not None else None
-        self._live.add(request_id)
+        self._live[request_id] = adapter_version
         produced = 0
         try:
             async for out in llm.generate(prompt, sampling_params(sampling, deltas), request_id, lora_request=lora):
@@ -196,7 +197,7 @@ class VLLMEngine:
             # The client keeps the request's state: hand over what it had produced.
             raise self._dead(err, self.partial(request_id)) from err
         finally:
-            self._live.discard(request_id)
+            self._live.pop(request_id, None)
             self._aborted.discard(request_id)
             if adapter_version is not None:
                 self.adapters.release(adapter_version)
@@ -222,6 +223,9 @@ class VLLMEngine:
             return EngineOutput([], [], versions=[])
         entries = state.logprobs_processor.logprobs or []
         logprobs = [entries[i][token].logprob for i, token in enumerate(tokens)]
+        adapter_version = self._live[request_id]
+        if adapter_version is not None:  # adapters are versioned by name: vLLM's label stays 0
+            return EngineOutput(tokens, logprobs, versions=[adapter_version] * len(tokens))
         starts = state.weight_version_starts
         ends = [start for _, start in starts[1:]] + [len(tokens)]
         versions = spans_to_versions(((int(v), s, e) for (v, s), e in zip(starts, ends, strict=True)), len(tokens))
