@@ -124,9 +124,11 @@ async def test_tiny_preset_learns_its_reward(tmp_path):
     assert last > first + 0.1, rewards
 
 
-def test_two_trainer_ranks_under_torchrun(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_trainer_ranks_under_torchrun(tmp_path, lora):
     """torchrun, 2 gloo ranks with FSDP2: rank 0 runs the controller, rank 1 follows; the run is
-    on-policy (max_lag 0), so the sharded trainer must agree with the engine token for token."""
+    on-policy (max_lag 0), so the sharded trainer must agree with the engine token for token.
+    With LoRA, every adapter gather is collective: rank 1 must take part in each one."""
     import os
     import socket
     import subprocess
@@ -138,7 +140,8 @@ def test_two_trainer_ranks_under_torchrun(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(port), "-m", "rollflow", "train", "--preset", "tiny", "--max-steps", "3",
-         "--set", "run.max_lag=0", "--output-dir", str(tmp_path)],
+         "--set", "run.max_lag=0", "--output-dir", str(tmp_path),
+         *(["--set", "trainer.lora.enabled=true"] if lora else [])],
         capture_output=True, text=True, timeout=300, check=False,
         env=dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
     )
