@@ -50,7 +50,8 @@ class EngineDeadError(EngineError):
 
 
 class WeightSyncError(RollflowError):
-    """A weight update did not complete; the engine keeps its previous weights."""
+    """A weight update did not complete and the engine provably keeps its previous weights and
+    label (when that cannot be shown, the engine is taken out of service: `EngineDeadError`)."""
 
 
 class WeightSyncTimeout(WeightSyncError, RetryableError):

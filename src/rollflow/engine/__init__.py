@@ -169,43 +169,69 @@ async def critical_section(
     resume: Callable[[], Awaitable[object]],
     can_resume: Callable[[], bool],
     dead: Callable[[Exception], EngineDeadError | None] = lambda err: None,
+    intact: Callable[[], Awaitable[bool]] | None = None,
+    lose: Callable[[str], Awaitable[EngineDeadError]] | None = None,
 ) -> None:
-    """Run a weight update's stages under one deadline, then resume the engine whatever happened.
+    """Run a weight update's stages under one deadline; on success resume the engine.
 
     The engine adapters own the stages (pause -> load -> label -> reset the prefix cache) and bump
-    their version only when this returns. A stalled stage is a `WeightSyncTimeout`, a failed one a
-    `WeightSyncError`, both naming the stage and saying the engine keeps `version`; `dead` turns an
-    error that means the engine is gone into `EngineDeadError`. `resume` runs (when `can_resume()`)
-    with the same deadline; an engine that cannot resume is dead.
+    their version only when this returns. A failure leaves the engine in one of two states only:
+
+    - provably on its previous weights and label (the failure came before `load`, or during it
+      and `intact()` confirms the worker never began changing the model): it is resumed and a
+      `WeightSyncError` (`WeightSyncTimeout` for a stalled stage) says it keeps `version`;
+    - otherwise (a failure after the load began changing weights, a stalled load still running
+      inside the engine, a failed label or prefix-cache reset after new weights went in) its
+      weights are unknown: `lose(reason)` takes it out of service and the `EngineDeadError` it
+      returns is raised, so the caller replaces the engine and no token is ever served under a
+      label that does not name its weights.
+
+    `dead` turns an error that means the engine is gone into `EngineDeadError`; `resume` runs
+    with the same deadline, and an engine that cannot resume is dead.
     """
-    stage = stages[0][0] if stages else ""
+    names = [name for name, _ in stages]
+    load_at = names.index("load") if "load" in names else len(names)
+    at = 0
+    error: WeightSyncError | None = None
     try:
         async with asyncio.timeout(deadline_s):
-            for name, run in stages:
-                stage = name
+            for at, (_, run) in enumerate(stages):  # noqa: B007 - `at` is read after the loop
                 await run()
     except TimeoutError:
-        raise WeightSyncTimeout(
-            f"weight update of {what} after version {version} stalled in stage '{stage}' for more than "
-            f"{deadline_s:g} s (engine.update_deadline_s); the engine keeps version {version}"
-        ) from None
+        error = WeightSyncTimeout(
+            f"weight update of {what} after version {version} stalled in stage '{names[at]}' for more than "
+            f"{deadline_s:g} s (engine.update_deadline_s)"
+        )
     except EngineDeadError:
         raise
     except Exception as err:
         gone = dead(err)
         if gone is not None:
             raise gone from err
-        raise WeightSyncError(
-            f"weight update of {what} after version {version} failed in stage '{stage}': {err}; "
-            f"the engine keeps version {version}"
-        ) from err
-    finally:
-        if can_resume():
-            try:
-                async with asyncio.timeout(deadline_s):
-                    await resume()
-            except TimeoutError:
-                raise EngineDeadError(f"{what} did not resume within {deadline_s:g} s after a weight update") from None
+        error = WeightSyncError(f"weight update of {what} after version {version} failed in stage '{names[at]}': {err}")
+        error.__cause__ = err
+    if error is not None and at >= load_at and lose is not None:
+        stalled = isinstance(error, WeightSyncTimeout)
+        if stalled or at > load_at or intact is None or not await _confirmed(intact, deadline_s):
+            raise await lose(f"{error}; its weights may no longer be version {version}") from error
+    if can_resume():
+        try:
+            async with asyncio.timeout(deadline_s):
+                await resume()
+        except TimeoutError:
+            raise EngineDeadError(f"{what} did not resume within {deadline_s:g} s after a weight update") from None
+    if error is not None:
+        error.args = (f"{error.args[0]}; the engine keeps version {version}",)
+        raise error
+
+
+async def _confirmed(intact: Callable[[], Awaitable[bool]], deadline_s: float) -> bool:
+    """Whether the engine confirms, within the deadline, that its weights were not touched."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            return await intact()
+    except Exception:
+        return False
 
 
 __all__ = [

@@ -143,6 +143,20 @@ class RemoteEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    async def _intact(self) -> bool:
+        return all(await self.rpc("rollflow_weights_intact"))
+
+    async def _take_out_of_service(self, reason: str) -> EngineDeadError:
+        """A weight update left the server's weights unknown: this client never uses it again
+        (its streams end as a dead server's do); a replacement client labels the server's
+        weights anew when the controller gives it the trainer's."""
+        message = f"vLLM server {self.url} taken out of service: {reason}"
+        self._dead = EngineDeadError(message)
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+        return EngineDeadError(message)
+
     def _gone(self, err: BaseException) -> EngineDeadError:
         self._dead = EngineDeadError(f"vLLM server {self.url} is gone: {err or type(err).__name__}")
         return EngineDeadError(str(self._dead))
@@ -266,6 +280,8 @@ class RemoteEngine:
     async def check_health(self) -> None:
         import aiohttp
 
+        if self._session is None:
+            raise self._dead or EngineError("engine not started: call `await engine.start()` first")
         try:
             async with self._session.get(f"{self.url}/health") as resp:
                 if resp.status != 200:
@@ -318,6 +334,8 @@ class RemoteEngine:
                 deadline_s=deadline_s if deadline_s is not None else self.config.update_deadline_s,
                 resume=self.resume,
                 can_resume=lambda: self._dead is None and self._session is not None,
+                intact=self._intact,
+                lose=self._take_out_of_service,
             )
             self._version = new_version
         return self._version

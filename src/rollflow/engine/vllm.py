@@ -21,6 +21,7 @@ It does not choose what to generate or when to update; rollout and the controlle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -145,11 +146,23 @@ class VLLMEngine:
     @property
     def llm(self) -> Any:
         """The underlying AsyncLLM (for benchmarks and tests that compare against it)."""
+        if self._died is not None:  # dead, or taken out of service: for every later caller
+            raise self._died
         if self._llm is None:
-            if self._died is not None:  # closed after it died: still dead, for late callers
-                raise self._died
             raise EngineError("engine not started: call `await engine.start()` first")
         return self._llm
+
+    async def _take_out_of_service(self, reason: str) -> EngineDeadError:
+        """A weight update left the model's weights unknown: never serve again. Every later call
+        raises `EngineDeadError`; requests in flight (paused, so their tokens so far are labelled
+        right) are aborted and come back preempted, and their resubmission meets the dead engine,
+        so the controller continues them on a replacement holding the trainer's weights."""
+        message = f"vLLM engine for {self.model_path} taken out of service: {reason}"
+        self._died = EngineDeadError(message)
+        if self._llm is not None and self._live:
+            with contextlib.suppress(Exception):
+                await self._llm.abort(list(self._live))
+        return EngineDeadError(message)
 
     def _dead(self, err: BaseException, partial: EngineOutput | None = None) -> EngineDeadError:
         message = f"vLLM engine core for {self.model_path} died: {err or 'process gone'}"
@@ -232,7 +245,7 @@ class VLLMEngine:
         return EngineOutput(tokens, logprobs, versions=versions)
 
     async def abort(self, request_id: str) -> None:
-        if request_id in self._live:
+        if request_id in self._live and self._died is None:
             self._aborted.add(request_id)
             await self.llm.abort(request_id)
 
@@ -280,10 +293,11 @@ class VLLMEngine:
         """The weight-update critical section around `load()`; returns the new version.
 
         lock -> pause (keep or abort in-flight requests) -> load -> label the new version ->
-        reset the prefix cache -> resume (always) -> bump the version (only on success). The
-        whole section has a deadline: a stalled load raises `WeightSyncTimeout` naming the stage,
-        the engine is resumed and keeps its version. `version` labels the new weights with a
-        given version instead of the next one (a resumed run restores its checkpoint's).
+        reset the prefix cache -> resume -> bump the version (only on success), under one
+        deadline. A failure either provably leaves the previous weights (`WeightSyncError`, the
+        engine resumed on its version) or takes the engine out of service (`EngineDeadError`); see
+        `rollflow.engine.critical_section`. `version` labels the new weights with a given
+        version instead of the next one (a resumed run restores its checkpoint's).
         """
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
@@ -304,8 +318,16 @@ class VLLMEngine:
                 ("label", guarded(lambda: llm.update_weight_version(str(new_version)))),
             ]
             if self.reset_prefix_cache_on_update:
-                reset = guarded(lambda: llm.reset_prefix_cache(reset_running_requests=recompute))
+
+                async def reset() -> None:
+                    if not await self._unless_dead(llm.reset_prefix_cache(reset_running_requests=recompute)):
+                        raise WeightSyncError("vLLM could not reset the prefix cache (it returned False)")
+
                 stages.append(("reset prefix cache", reset))
+
+            async def intact() -> bool:
+                return all(await self._unless_dead(llm.collective_rpc("rollflow_weights_intact")))
+
             await critical_section(
                 f"vLLM engine for {self.model_path}",
                 self._version,
@@ -314,6 +336,8 @@ class VLLMEngine:
                 resume=self.resume,
                 can_resume=lambda: self._llm is not None and not llm.errored,
                 dead=lambda err: self._dead(err) if isinstance(err, VLLMDead) else None,
+                intact=intact,
+                lose=self._take_out_of_service,
             )
             self._version = new_version
         return self._version

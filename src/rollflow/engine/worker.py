@@ -24,9 +24,18 @@ class WorkerExtension:
 
     _rollflow_group: Any = None
     _rollflow_buffers: list[Any] | None = None
+    _rollflow_touched = False
+    """A reload began changing the model and did not finish: its layers may be half-loaded."""
 
     def _rollflow_reload(self, weights) -> None:
+        self._rollflow_touched = True  # layerwise reload moves layers aside before filling them
         self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+        self._rollflow_touched = False
+
+    def rollflow_weights_intact(self) -> bool:
+        """True unless a reload began and failed part-way (then the model is neither the old
+        weights nor the new ones). A failed transfer that never reached the model is intact."""
+        return not self._rollflow_touched
 
     def rollflow_watch_parent(self, interval_s: float = 1.0) -> int:
         """End this process soon after its parent process is gone; returns the parent's pid.

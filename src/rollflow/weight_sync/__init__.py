@@ -213,7 +213,8 @@ async def sync_weights(
 ) -> int:
     """Stage one set of weights in `transport`, then load them inside the engine's critical
     section; returns the new engine version. Raises `WeightSyncError` / `WeightSyncTimeout` on
-    failure, with the engine resumed on its previous weights and version."""
+    failure when the engine provably keeps its previous weights and version, `EngineDeadError`
+    when it was taken out of service because its weights are no longer known."""
     await transport.stage(plan, tensors)
     return await publish(engine, transport, plan, partial=partial, deadline_s=deadline_s)
 

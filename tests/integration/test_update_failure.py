@@ -1,0 +1,101 @@
+"""A weight update that fails never leaves tokens served under a label that does not name their
+weights: the engine either provably keeps its previous weights and label, or is taken out of
+service (and the controller replaces it). Real vLLM on CPU, one engine per case that kills one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollflow.config import EngineConfig
+from rollflow.engine.vllm import VLLMEngine
+from rollflow.errors import EngineDeadError, WeightSyncError
+from rollflow.models import tiny_model_path
+from rollflow.records import SamplingSpec
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+PROMPT = [1, 735, 202, 276, 261, 264, 277, 281, 34, 2, 202, 1, 871, 202]
+GREEDY = SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+async def fresh_engine() -> VLLMEngine:
+    config = EngineConfig(kv_cache_bytes=64 * 1024 * 1024, max_model_len=256, max_num_seqs=4, update_deadline_s=5)
+    return await VLLMEngine(tiny_model_path(0), config).start()
+
+
+async def assert_serves_nothing(engine: VLLMEngine) -> None:
+    with pytest.raises(EngineDeadError, match="taken out of service"):
+        await engine.generate(PROMPT, GREEDY, "after")
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()  # the health watch notices it too
+
+
+def with_bad_tensor_in_the_middle(state: dict) -> dict:
+    names = list(state)
+    middle = names[len(names) // 2]
+    broken = dict(state)
+    broken[middle] = state[middle].flatten()[:-1]  # a wrong shape part-way through the plan
+    return broken
+
+
+async def test_a_failure_before_the_model_is_touched_keeps_the_old_weights_and_label(model_a, model_b):
+    engine = await fresh_engine()
+    try:
+        want_a = model_a.greedy(PROMPT, 12)[0]
+
+        async def transfer_fails() -> None:
+            raise ConnectionError("sender went away before the first bucket")
+
+        with pytest.raises(WeightSyncError, match="the engine keeps version 0"):
+            await engine.update_weights_with(transfer_fails)
+        out = await engine.generate(PROMPT, GREEDY, "kept")
+        assert out.token_ids == want_a and out.versions == [0] * 12 and engine.version == 0
+
+        # A wrong shape part-way through a load: layers may be half-loaded, so the engine is
+        # taken out of service instead of serving under version 0.
+        with pytest.raises(EngineDeadError, match=r"taken out of service: .*stage 'load'"):
+            await engine.update_weights(with_bad_tensor_in_the_middle(model_b.state_dict()))
+        assert engine.version == 0
+        await assert_serves_nothing(engine)
+    finally:
+        await engine.aclose()
+
+
+async def test_a_failure_after_new_weights_went_in_takes_the_engine_out(model_b, monkeypatch):
+    engine = await fresh_engine()
+    try:
+        # vLLM answers False when it cannot reset the prefix cache: the update failed after the
+        # load, so the weights are B's while the label would still say 0.
+        async def cannot_reset(**kwargs) -> bool:
+            return False
+
+        monkeypatch.setattr(engine.llm, "reset_prefix_cache", cannot_reset)
+        with pytest.raises(EngineDeadError, match=r"stage 'reset prefix cache'.*returned False"):
+            await engine.update_weights(model_b.state_dict())
+        assert engine.version == 0
+        await assert_serves_nothing(engine)
+    finally:
+        await engine.aclose()
+
+
+async def test_a_load_stalled_past_the_deadline_takes_the_engine_out(model_b):
+    engine = await fresh_engine()
+    try:
+        request = asyncio.create_task(engine.generate(PROMPT, SamplingSpec(max_tokens=200, ignore_eos=True), "live"))
+        while engine.num_live == 0:
+            await asyncio.sleep(0.01)
+
+        async def stalls() -> None:
+            await asyncio.sleep(30)
+
+        with pytest.raises(EngineDeadError, match=r"stalled in stage 'load' for more than 1 s"):
+            await engine.update_weights_with(stalls, deadline_s=1.0)
+        # The request in flight was paused before the load: it ends (preempted, its tokens so far
+        # labelled 0) instead of continuing under weights nobody knows.
+        out = await asyncio.wait_for(request, 30)
+        assert out.finish_reason == "preempted" and set(out.versions) <= {0}
+        await assert_serves_nothing(engine)
+    finally:
+        await engine.aclose()
