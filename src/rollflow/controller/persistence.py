@@ -1,6 +1,7 @@
 """The run directory: preparing it, refusing a resume that cannot work, checkpoints in and out.
 
-`prepare_output_dir` checks the output directory for a new run, or finds the checkpoint a
+`Outputs` opens the files a run writes as it goes (metrics, ledger, sinks, the trace) and closes
+them. `prepare_output_dir` checks the output directory for a new run, or finds the checkpoint a
 resumed run continues from (refusing changed settings the checkpoint depends on) and cuts the
 ledger and metrics back to it. `Checkpointer` decides when a periodic checkpoint is due and
 writes one (`rollflow.checkpoint` makes the write atomic) on the trainer thread, so the trainer
@@ -13,6 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+
+import msgspec
 
 from rollflow.checkpoint import (
     CHECKPOINTS,
@@ -28,11 +31,42 @@ from rollflow.config import Config, load_config
 from rollflow.controller.trainer_thread import TrainerRunner
 from rollflow.errors import ConfigError, UserInputError
 from rollflow.ledger import LEDGER, truncate
+from rollflow.metrics import JsonlSink, LoopLag, MetricsSink, make_sinks
 from rollflow.trace import Trace
 
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
+
+
+class Outputs:
+    """The files a run writes as it goes, open for its lifetime."""
+
+    def __init__(self, output_dir: Path, config: Config, began: float) -> None:
+        observe = config.observe
+        self.output_dir = output_dir
+        self.write_trace = observe.trace
+        self.trace = Trace(observe.trace_max_events, began=began)
+        self.loop_lag = LoopLag(observe.loop_probe_s)
+        self.metrics = JsonlSink(output_dir / METRICS)
+        self.ledger = JsonlSink(output_dir / LEDGER)
+        self.sinks: list[MetricsSink] = [self.metrics]
+        """Every sink a step's metrics go to, `metrics.jsonl` first."""
+        self.sinks += make_sinks(
+            observe.sinks,
+            output_dir,
+            total_steps=config.run.max_steps,
+            project=observe.wandb_project,
+            mode=observe.wandb_mode,
+            config=msgspec.to_builtins(config),
+        )
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.ledger.close()
+        if self.write_trace:
+            self.trace.write(self.output_dir / "trace.json")
 
 
 def prepare_output_dir(out: Path, config: Config, *, resume: bool) -> tuple[Path, RunState] | None:

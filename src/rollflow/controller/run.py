@@ -23,7 +23,7 @@ from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState, rng_state, set_rng_state
 from rollflow.config import Config, check_training, dump_config
 from rollflow.controller.accounting import Accounting
-from rollflow.controller.persistence import METRICS, Checkpointer, prepare_output_dir
+from rollflow.controller.persistence import Checkpointer, Outputs, prepare_output_dir
 from rollflow.controller.producer import Producer
 from rollflow.controller.setup import Components, Given, build
 from rollflow.controller.supervisor import Supervisor
@@ -34,8 +34,6 @@ from rollflow.engine import ManagedEngine
 from rollflow.engine.factory import check_engines
 from rollflow.envs import EnvFactory, load_environment
 from rollflow.evaluate import EvalReport, evaluate_held_out, sampling_spec
-from rollflow.ledger import LEDGER
-from rollflow.metrics import JsonlSink, LoopLag, MetricsSink, make_sinks
 from rollflow.scoring import RewardFunc, Scorer, make_rewards, make_scorer
 from rollflow.trace import Trace
 from rollflow.trainer import TrainerBackend
@@ -82,9 +80,10 @@ class Controller:
     producer: Producer
     checkpointer: Checkpointer
     training: TrainingLoop
+    # ---- set by run() before setup()
+    began: float
+    outputs: Outputs
     trace: Trace
-    loop_lag: LoopLag
-    sinks: list[MetricsSink]
 
     def __init__(
         self,
@@ -163,12 +162,13 @@ class Controller:
         cfg = self.config
         resumed = prepare_output_dir(self.output_dir, cfg, resume=self.resume)
         (self.output_dir / "config.toml").write_text(dump_config(cfg))
-        began = self.clock()
-        self._open_outputs(began)
+        began = self.began = self.clock()
+        self.outputs = out = Outputs(self.output_dir, cfg, began)
+        self.trace = out.trace
         try:
             await self.setup()
         except BaseException:
-            self._close_outputs()
+            out.close()
             raise
         eval_before = eval_after = None
         frozen = False
@@ -215,7 +215,7 @@ class Controller:
         try:
             async with asyncio.TaskGroup() as tg:
                 producer = tg.create_task(self.producer.run(tg), name="producer")
-                probe = tg.create_task(self.loop_lag.run(), name="loop-lag")
+                probe = tg.create_task(self.outputs.loop_lag.run(), name="loop-lag")
                 health = tg.create_task(self.supervisor.watch(), name="engine-health")
                 try:
                     await self.training.run(tg)
@@ -232,29 +232,12 @@ class Controller:
 
     # ---- setup and teardown ------------------------------------------------------------------
 
-    def _open_outputs(self, began: float) -> None:
-        cfg = self.config
-        self.trace = Trace(cfg.observe.trace_max_events, began=began)
-        self.loop_lag = LoopLag(cfg.observe.loop_probe_s)
-        self.metrics_file = JsonlSink(self.output_dir / METRICS)
-        self.ledger = JsonlSink(self.output_dir / LEDGER)
-        self.sinks = [self.metrics_file]
-        self.sinks += make_sinks(
-            cfg.observe.sinks,
-            self.output_dir,
-            total_steps=cfg.run.max_steps,
-            project=cfg.observe.wandb_project,
-            mode=cfg.observe.wandb_mode,
-            config=msgspec.to_builtins(cfg),
-        )
-        self.began = began
-
     async def setup(self) -> None:
         """Build every component and wire them; nothing starts running here."""
         cfg = self.config
         parts = await build(cfg, self._given, multi_turn=self.env is not None)
         self.parts = parts
-        self.accounting = Accounting(self.ledger)
+        self.accounting = Accounting(self.outputs.ledger)
         strategy: WeightStrategy = (
             AdapterWeights(parts.runner, cfg.rollout.partial)
             if cfg.trainer.lora.enabled
@@ -297,9 +280,9 @@ class Controller:
             accounting=self.accounting,
             checkpointer=self.checkpointer,
             checkpoint=lambda steps, stopping: self._checkpoint(steps, keep_pending=stopping),
-            sinks=self.sinks,
+            sinks=self.outputs.sinks,
             trace=self.trace,
-            loop_lag=self.loop_lag,
+            loop_lag=self.outputs.loop_lag,
             clock=self.clock,
             stop=self._stop,
             on_step=self.on_step,
@@ -314,14 +297,7 @@ class Controller:
         await self.scorer.aclose()
         await self.parts.transport.aclose()
         await self.supervisor.aclose()
-        self._close_outputs()
-        if self.config.observe.trace:
-            self.trace.write(self.output_dir / "trace.json")
-
-    def _close_outputs(self) -> None:
-        for sink in self.sinks:
-            sink.close()
-        self.ledger.close()
+        self.outputs.close()
 
     def _settle(self) -> None:
         """Drop what the run leaves unfinished (unless a checkpoint holds it) and give its
@@ -349,8 +325,8 @@ class Controller:
             nonfinite_streak=self.training.nonfinite_streak,
             buffer=self.buffer.snapshot(),
             in_flight=self.producer.snapshot(),
-            ledger_bytes=self.ledger.sync(),
-            metrics_bytes=self.metrics_file.sync(),
+            ledger_bytes=self.outputs.ledger.sync(),
+            metrics_bytes=self.outputs.metrics.sync(),
         )
 
     async def _checkpoint(self, step: int, *, keep_pending: bool) -> Path:
