@@ -112,7 +112,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
     import shlex
 
     from rollflow.config import load_config
-    from rollflow.engine.remote import serve_command, serve_environment
+    from rollflow.engine.environment import serve_command, serve_environment
     from rollflow.models import resolve_model
 
     config = load_config(args.config, preset=args.preset, overrides=args.overrides)

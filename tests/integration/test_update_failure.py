@@ -10,7 +10,7 @@ import pytest
 
 from rollflow.config import EngineConfig
 from rollflow.engine.vllm import VLLMEngine
-from rollflow.errors import EngineDeadError, WeightSyncError
+from rollflow.errors import EngineDeadError, EngineError, WeightSyncError
 from rollflow.models import tiny_model_path
 from rollflow.records import SamplingSpec
 
@@ -99,3 +99,24 @@ async def test_a_load_stalled_past_the_deadline_takes_the_engine_out(model_b):
         await assert_serves_nothing(engine)
     finally:
         await engine.aclose()
+
+
+def engine_processes() -> set[int]:
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    return {p.pid for p in children if "EngineCore" in " ".join(p.cmdline() or [p.name()])}
+
+
+async def test_an_engine_start_that_times_out_leaves_no_engine_process():
+    before = engine_processes()
+    config = EngineConfig(kv_cache_bytes=64 * 1024 * 1024, max_model_len=256, max_num_seqs=4, start_timeout_s=1)
+    engine = VLLMEngine(tiny_model_path(0), config)
+    with pytest.raises(EngineError, match=r"did not start within 1 s \(engine.start_timeout_s\)"):
+        await engine.start()
+    await asyncio.wait_for(engine.aclose(), 120)  # the late-built engine is shut down
+    for _ in range(100):  # its process may take a moment to exit
+        if engine_processes() <= before:
+            break
+        await asyncio.sleep(0.1)
+    assert engine_processes() <= before

@@ -83,7 +83,8 @@ async def test_a_remote_server_gets_the_same_calls_over_its_rl_endpoints():
     from aiohttp.test_utils import TestServer
 
     from rollflow.config import EngineConfig
-    from rollflow.engine.remote import RemoteEngine, serve_command
+    from rollflow.engine.environment import serve_command
+    from rollflow.engine.remote import RemoteEngine
 
     calls: list[tuple[str, object]] = []
 

@@ -3,17 +3,23 @@
 vLLM loads an adapter from a folder, so each version is written to a RAM-backed folder
 (`/dev/shm` when present) as `adapter_model.safetensors` + `adapter_config.json`. A request
 keeps the adapter it started with to its end (`use` / `release` count the users), so adapters
-that are neither the newest nor in use can be unloaded (`unused`). This module makes no vLLM
-call of its own; `rollflow.engine.vllm` does the loading and unloading.
+that are neither the newest nor in use can be unloaded (`unused`). `AdapterSync` is the
+adapter-only weight sync of `rollflow.engine.vllm.VLLMEngine` (loading, unloading, versions).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import tempfile
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
+
+from rollflow.config import EngineConfig
+from rollflow.engine import PartialMode
+from rollflow.errors import EngineDeadError, WeightSyncError
 
 
 class Adapters:
@@ -68,3 +74,70 @@ class Adapters:
     def close(self) -> None:
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
+
+
+class AdapterSync:
+    """Adapter-only weight sync, mixed into `VLLMEngine` (which provides what is declared here)."""
+
+    adapters: Adapters
+    config: EngineConfig
+    _version: int
+    _live: dict[str, int | None]
+    _update_lock: asyncio.Lock
+    llm: Any
+
+    def _dead(self, err: BaseException, partial: Any = None) -> EngineDeadError:
+        raise NotImplementedError
+
+    async def _unless_dead(self, call: Awaitable[Any], poll_s: float = 0.5) -> Any:
+        raise NotImplementedError
+
+    async def update_adapter(
+        self,
+        tensors: dict[str, Any],
+        adapter_config: dict[str, Any],
+        *,
+        partial: PartialMode = "keep",
+        version: int | None = None,
+    ) -> int:
+        """Adapter-only sync: load a LoRA adapter as the next version; returns it.
+
+        New requests use the newest adapter. In `keep` mode in-flight requests finish on the
+        adapter they started with (their tokens keep its version); in `resume` / `restart` mode
+        they are preempted and resubmitted on the new one. Adapters no request uses any more are
+        unloaded. The adapter travels through a RAM-backed folder (vLLM loads adapters by path).
+        `version` labels the adapter with that version instead of the next (a resumed run).
+        """
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
+
+        if not self.config.max_loras:
+            raise WeightSyncError("adapter sync needs a LoRA-enabled engine: set engine.max_loras > 0")
+        async with self._update_lock:
+            version = self._version + 1 if version is None else version
+            request = await asyncio.to_thread(self.adapters.write, version, tensors, adapter_config)
+            try:
+                async with asyncio.timeout(self.config.update_deadline_s):
+                    await self._unless_dead(self.llm.add_lora(request))
+            except VLLMDead as err:
+                raise self._dead(err) from err
+            except EngineDeadError:
+                raise
+            except Exception as err:
+                raise WeightSyncError(f"adapter version {version} failed to load: {err}") from err
+            self.adapters.add(version, request)
+            self._version = version
+            if partial != "keep":
+                for request_id in list(self._live):
+                    await self.llm.abort(request_id)  # not user aborts: they come back as preempted
+        await self.collect_adapters()
+        return version
+
+    async def collect_adapters(self) -> None:
+        """Unload adapters that are neither the newest nor used by an in-flight request."""
+        for request in self.adapters.unused(self._version):
+            await self.llm.remove_lora(request.lora_int_id)
+
+    @property
+    def loaded_adapters(self) -> list[int]:
+        """Versions of the LoRA adapters currently loaded."""
+        return sorted(self.adapters.loaded)

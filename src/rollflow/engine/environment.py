@@ -2,17 +2,25 @@
 
 `engine_environment` is the environment any vLLM process rollflow starts reads at import (the
 CPU platform and its threads when there is no GPU, quiet logs); `prepare_environment` applies
-it to this process for an in-process engine; `sampling_params` turns a `SamplingSpec` into
+it to this process for an in-process engine; `engine_args` builds its engine arguments;
+`serve_command` / `serve_environment` start a vLLM server a `RemoteEngine` drives;
+`sampling_params` turns a `SamplingSpec` into
 vLLM's `SamplingParams`. No engine is started here.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from rollflow.config import EngineConfig
 from rollflow.records import SamplingSpec
+
+WORKER_EXTENSION = "rollflow.engine.worker.WorkerExtension"
+"""The class vLLM mixes into its worker (it must be importable in the spawned processes)."""
 
 
 def engine_environment(config: EngineConfig) -> dict[str, str]:
@@ -53,3 +61,65 @@ def sampling_params(sampling: SamplingSpec, deltas: bool = True) -> Any:
         output_kind=RequestOutputKind.DELTA if deltas else RequestOutputKind.FINAL_ONLY,
         detokenize=False,
     )
+
+
+def engine_args(model_path: str, config: EngineConfig, dtype: str) -> Any:
+    """vLLM's `AsyncEngineArgs` for an in-process engine: the model, the KV cache and batch size,
+    log-probs as sampled, rollflow's worker extension, prefix caching, LoRA when asked."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    lora: dict[str, Any] = {}  # optional engine arguments
+    if config.max_loras:
+        lora = {
+            "enable_lora": True,
+            "max_loras": config.max_loras,
+            "max_cpu_loras": config.max_loras,
+            "max_lora_rank": config.max_lora_rank,
+        }
+    if config.weight_transfer:
+        lora["weight_transfer_config"] = {"backend": config.weight_transfer}
+    return AsyncEngineArgs(
+        model=model_path,
+        dtype=dtype,  # type: ignore[arg-type]
+        seed=config.seed,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        kv_cache_memory_bytes=config.kv_cache_bytes,
+        logprobs_mode=config.logprobs_mode,
+        worker_extension_cls=WORKER_EXTENSION,
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+        enable_log_requests=False,
+        **lora,
+    )
+
+
+def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, port: int, dtype: str) -> list[str]:
+    """The command line of a vLLM server that a `RemoteEngine` can drive (run it with the
+    environment of `serve_environment`)."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",
+        "--model", str(model_path),
+        "--host", host,
+        "--port", str(port),
+        "--dtype", dtype,
+        "--seed", str(config.seed),
+        "--max-model-len", str(config.max_model_len),
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--kv-cache-memory-bytes", str(config.kv_cache_bytes),
+        "--logprobs-mode", config.logprobs_mode,
+        "--worker-extension-cls", WORKER_EXTENSION,
+        "--enable-prefix-caching",
+        "--enable-scale-out",  # the token-in/token-out endpoint
+        "--disable-log-stats",
+    ] + (
+        ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer})] if config.weight_transfer else []
+    )  # fmt: skip
+
+
+def serve_environment(config: EngineConfig) -> dict[str, str]:
+    """Environment of the server process: `engine_environment` under the user's own settings,
+    with the RL and developer endpoints on (/pause, /resume, weight labels, /collective_rpc)."""
+    return engine_environment(config) | dict(os.environ) | {"VLLM_SERVER_DEV_MODE": "1"}

@@ -29,8 +29,6 @@ import base64
 import contextlib
 import json
 import logging
-import os
-import sys
 import tempfile
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -56,39 +54,6 @@ SERVER_ID_PREFIX = "generate-tokens-"
 
 HEALTH_POLL_S = 1.0
 """How often `start` asks a server that is still starting whether it is up."""
-
-
-def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, port: int, dtype: str) -> list[str]:
-    """The command line of a vLLM server that a `RemoteEngine` can drive (run it with the
-    environment of `serve_environment`)."""
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.launchers.api_server.entry",
-        "--model", str(model_path),
-        "--host", host,
-        "--port", str(port),
-        "--dtype", dtype,
-        "--seed", str(config.seed),
-        "--max-model-len", str(config.max_model_len),
-        "--max-num-seqs", str(config.max_num_seqs),
-        "--kv-cache-memory-bytes", str(config.kv_cache_bytes),
-        "--logprobs-mode", config.logprobs_mode,
-        "--worker-extension-cls", "rollflow.engine.worker.WorkerExtension",
-        "--enable-prefix-caching",
-        "--enable-scale-out",  # the token-in/token-out endpoint
-        "--disable-log-stats",
-    ] + (
-        ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer})] if config.weight_transfer else []
-    )  # fmt: skip
-
-
-def serve_environment(config: EngineConfig) -> dict[str, str]:
-    """Environment of the server process: `engine_environment` under the user's own settings,
-    with the RL and developer endpoints on (/pause, /resume, weight labels, /collective_rpc)."""
-    from rollflow.engine.environment import engine_environment
-
-    return engine_environment(config) | dict(os.environ) | {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 class RemoteEngine:

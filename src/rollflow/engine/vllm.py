@@ -39,17 +39,15 @@ from rollflow.engine import (
     critical_section,
     spans_to_versions,
 )
-from rollflow.engine.adapters import Adapters
-from rollflow.engine.environment import prepare_environment, sampling_params
+from rollflow.engine.adapters import Adapters, AdapterSync
+from rollflow.engine.environment import engine_args, prepare_environment, sampling_params
 from rollflow.errors import EngineDeadError, EngineError, WeightSyncError
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "rollflow.engine.worker.WorkerExtension"
 
-
-class VLLMEngine:
+class VLLMEngine(AdapterSync):
     """rollflow's `Engine` over vLLM's `AsyncLLM`, in this process's event loop."""
 
     def __init__(
@@ -69,6 +67,8 @@ class VLLMEngine:
         self._aborted: set[str] = set()
         self._live: dict[str, int | None] = {}
         """Requests streaming, with the adapter version each started on (None: no adapters)."""
+        self._late_start: asyncio.Future[None] | None = None
+        """Shuts down the engine of a start that timed out, once its thread has built it."""
         self.adapters = Adapters()
         """Loaded LoRA adapters by version (adapter-only sync); version 0 is the base model."""
         self.salt_prefix_cache = True
@@ -88,42 +88,19 @@ class VLLMEngine:
     async def start(self) -> VLLMEngine:
         """Start the engine processes (20-40 s on CPU); raises `EngineError` on failure."""
         prepare_environment(self.config)
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        lora: dict[str, Any] = {}  # optional engine arguments
-        if self.config.max_loras:
-            lora = {
-                "enable_lora": True,
-                "max_loras": self.config.max_loras,
-                "max_cpu_loras": self.config.max_loras,
-                "max_lora_rank": self.config.max_lora_rank,
-            }
-        if self.config.weight_transfer:
-            lora["weight_transfer_config"] = {"backend": self.config.weight_transfer}
-        args = AsyncEngineArgs(
-            model=self.model_path,
-            dtype=self.dtype,  # type: ignore[arg-type]
-            seed=self.config.seed,
-            max_model_len=self.config.max_model_len,
-            max_num_seqs=self.config.max_num_seqs,
-            kv_cache_memory_bytes=self.config.kv_cache_bytes,
-            logprobs_mode=self.config.logprobs_mode,
-            worker_extension_cls=WORKER_EXTENSION,
-            enable_prefix_caching=True,
-            disable_log_stats=True,
-            enable_log_requests=False,
-            **lora,
-        )
+        args = engine_args(self.model_path, self.config, self.dtype)
         began = time.monotonic()
         log.info("starting vLLM engine for %s", self.model_path)
+        # Building AsyncLLM blocks while it spawns and waits for the engine core; do it off the
+        # loop. Its output handler binds to this loop at the first request.
+        building = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_engine_args, args))
         try:
-            # Building AsyncLLM blocks while it spawns and waits for the engine core; do it off
-            # the loop. Its output handler binds to this loop at the first request.
-            self._llm = await asyncio.wait_for(
-                asyncio.to_thread(AsyncLLM.from_engine_args, args), timeout=self.config.start_timeout_s
-            )
+            self._llm = await asyncio.wait_for(asyncio.shield(building), timeout=self.config.start_timeout_s)
         except TimeoutError:
+            # The thread cannot be stopped: shut the engine down when it is built (`aclose` waits).
+            self._late_start = asyncio.ensure_future(_shut_down_when_built(building))
             raise EngineError(
                 f"vLLM engine for {self.model_path} did not start within {self.config.start_timeout_s:.0f} s "
                 "(engine.start_timeout_s)"
@@ -360,51 +337,6 @@ class VLLMEngine:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
-    async def update_adapter(
-        self,
-        tensors: dict[str, Any],
-        adapter_config: dict[str, Any],
-        *,
-        partial: PartialMode = "keep",
-        version: int | None = None,
-    ) -> int:
-        """Adapter-only sync: load a LoRA adapter as the next version; returns it.
-
-        New requests use the newest adapter. In `keep` mode in-flight requests finish on the
-        adapter they started with (their tokens keep its version); in `resume` / `restart` mode
-        they are preempted and resubmitted on the new one. Adapters no request uses any more are
-        unloaded. The adapter travels through a RAM-backed folder (vLLM loads adapters by path).
-        `version` labels the adapter with that version instead of the next (a resumed run).
-        """
-        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
-
-        if not self.config.max_loras:
-            raise WeightSyncError("adapter sync needs a LoRA-enabled engine: set engine.max_loras > 0")
-        async with self._update_lock:
-            version = self._version + 1 if version is None else version
-            request = await asyncio.to_thread(self.adapters.write, version, tensors, adapter_config)
-            try:
-                async with asyncio.timeout(self.config.update_deadline_s):
-                    await self._unless_dead(self.llm.add_lora(request))
-            except VLLMDead as err:
-                raise self._dead(err) from err
-            except EngineDeadError:
-                raise
-            except Exception as err:
-                raise WeightSyncError(f"adapter version {version} failed to load: {err}") from err
-            self.adapters.add(version, request)
-            self._version = version
-            if partial != "keep":
-                for request_id in list(self._live):
-                    await self.llm.abort(request_id)  # not user aborts: they come back as preempted
-        await self.collect_adapters()
-        return version
-
-    async def collect_adapters(self) -> None:
-        """Unload adapters that are neither the newest nor used by an in-flight request."""
-        for request in self.adapters.unused(self._version):
-            await self.llm.remove_lora(request.lora_int_id)
-
     def engines(self) -> list[ManagedEngine]:
         return [self]
 
@@ -414,11 +346,6 @@ class VLLMEngine:
     def weight_transfer_api(self) -> Any:
         """The AsyncLLM itself: it has vLLM's weight-transfer calls."""
         return self.llm
-
-    @property
-    def loaded_adapters(self) -> list[int]:
-        """Versions of the LoRA adapters currently loaded."""
-        return sorted(self.adapters.loaded)
 
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> EngineOutput:
         """Convenience: the whole completion as one output."""
@@ -432,6 +359,9 @@ class VLLMEngine:
         raise EngineError(f"request {request_id}: stream ended without a finish reason")
 
     async def aclose(self) -> None:
+        if self._late_start is not None:  # a start that timed out: its engine goes once built
+            late, self._late_start = self._late_start, None
+            await late
         if self._llm is None:
             return
         llm, self._llm = self._llm, None
@@ -445,3 +375,11 @@ class VLLMEngine:
             await asyncio.gather(handler, return_exceptions=True)
         await asyncio.to_thread(llm.shutdown)
         self.adapters.close()
+
+
+async def _shut_down_when_built(building: asyncio.Future[Any]) -> None:
+    try:
+        llm = await building
+    except Exception:  # the late start failed: nothing was left running
+        return
+    await asyncio.to_thread(llm.shutdown)
