@@ -66,11 +66,15 @@ class JsonlSink:
         self._file.write(msgspec.json.encode(row) + b"\n")
         self._file.flush()
 
-    def sync(self) -> int:
-        """Force the lines to disk; returns the file's length in bytes (what a checkpoint records)."""
+    def position(self) -> int:
+        """The file's length in bytes with every line written so far (what a checkpoint records;
+        `fsync` before the checkpoint is committed puts them on disk)."""
         self._file.flush()
-        os.fsync(self._file.fileno())
         return self._file.tell()
+
+    def fsync(self) -> None:
+        """Force the lines written so far to disk (blocking: call it off the event loop)."""
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self._file.close()

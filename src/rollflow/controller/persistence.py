@@ -126,10 +126,13 @@ class Checkpointer:
         config: Config,
         runner: TrainerRunner,
         *,
+        logs: list[JsonlSink],
         trace: Trace,
         clock: Callable[[], float],
     ) -> None:
         self.output_dir = output_dir
+        self.logs = logs
+        """Files whose lengths a checkpoint records: on disk before the checkpoint is committed."""
         self.enabled = config.checkpoint.enabled
         self.every = config.checkpoint.every if self.enabled else 0
         self.keep_last = config.checkpoint.keep_last
@@ -150,6 +153,8 @@ class Checkpointer:
         backend = self.runner.backend
 
         def write() -> Path:
+            for log_file in self.logs:  # the lengths the state records are on disk first
+                log_file.fsync()
             return save_checkpoint(self.output_dir, state, backend.save, step=state.step, keep_last=self.keep_last)
 
         path = await self.runner.call(write)

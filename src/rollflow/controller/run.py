@@ -269,7 +269,14 @@ class Controller:
             chat=parts.chat,
             teacher=parts.teacher,
         )
-        self.checkpointer = Checkpointer(self.output_dir, cfg, parts.runner, trace=self.trace, clock=self.clock)
+        self.checkpointer = Checkpointer(
+            self.output_dir,
+            cfg,
+            parts.runner,
+            logs=[self.outputs.ledger, self.outputs.metrics],
+            trace=self.trace,
+            clock=self.clock,
+        )
         self.training = TrainingLoop(
             cfg,
             buffer=self.buffer,
@@ -325,8 +332,8 @@ class Controller:
             nonfinite_streak=self.training.nonfinite_streak,
             buffer=self.buffer.snapshot(),
             in_flight=self.producer.snapshot(),
-            ledger_bytes=self.outputs.ledger.sync(),
-            metrics_bytes=self.outputs.metrics.sync(),
+            ledger_bytes=self.outputs.ledger.position(),
+            metrics_bytes=self.outputs.metrics.position(),
         )
 
     async def _checkpoint(self, step: int, *, keep_pending: bool) -> Path:

@@ -61,15 +61,20 @@ class Adapters:
 
     def unused(self, newest: int) -> list[Any]:
         """Forget the adapters neither `newest` nor used by a request; returns their requests
-        (for the engine to unload) and removes their folders."""
+        (for the engine to unload, then `remove` their folders)."""
         gone = []
         for version, request in list(self.loaded.items()):
             if version != newest and self._users.get(version, 0) == 0:
                 del self.loaded[version]
                 self._users.pop(version, None)
-                shutil.rmtree(request.lora_path, ignore_errors=True)
                 gone.append(request)
         return gone
+
+    @staticmethod
+    def remove(requests: list[Any]) -> None:
+        """Delete the folders of unloaded adapters (blocking file IO: call it in a thread)."""
+        for request in requests:
+            shutil.rmtree(request.lora_path, ignore_errors=True)
 
     def close(self) -> None:
         if self._directory is not None:
@@ -134,8 +139,11 @@ class AdapterSync:
 
     async def collect_adapters(self) -> None:
         """Unload adapters that are neither the newest nor used by an in-flight request."""
-        for request in self.adapters.unused(self._version):
+        gone = self.adapters.unused(self._version)
+        for request in gone:
             await self.llm.remove_lora(request.lora_int_id)
+        if gone:
+            await asyncio.to_thread(Adapters.remove, gone)
 
     @property
     def loaded_adapters(self) -> list[int]:

@@ -239,7 +239,9 @@ class VLLMEngine(AdapterSync):
 
         items = weights.items() if hasattr(weights, "items") else weights
         tensors = {name: tensor.detach().contiguous() for name, tensor in items}  # type: ignore[union-attr]
-        await self.llm.collective_rpc("rollflow_load_safetensors", args=(save(tensors),))
+        # Serialising a whole model takes a while: off the loop, which keeps streaming.
+        payload = await asyncio.to_thread(save, tensors)
+        await self.llm.collective_rpc("rollflow_load_safetensors", args=(payload,))
 
     async def rpc(self, method: str, *args: Any) -> list[Any]:
         """Call a `WorkerExtension` method on every worker; returns their results."""

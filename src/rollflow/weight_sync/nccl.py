@@ -131,7 +131,7 @@ class NcclTransport:
     async def stage(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         # No copy: the GPU tensors are sent straight from the trainer, so `load` must finish
         # before the trainer changes them (snapshots = False keeps the controller waiting).
-        self._staged = list(tensors)
+        self._staged = await asyncio.to_thread(list, tensors)  # gathering shards: off the loop
         return plan.total_bytes
 
     async def load(self, engine: Any, plan: BucketPlan) -> None:
