@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +96,7 @@ class TrainingLoop:
                 break
             self.accounting.stepping = groups  # out of the buffer, not yet in the ledger
             t_batch = self.clock()
-            batch, stats = await self.runner.call(partial(self._batch, step, groups))  # per-token loops: off the loop
+            batch, stats = self._batch(step, groups)
             trained = await self.runner.step(batch) if batch.samples else {}
             self.runner.steps_run = step + 1
             t_step = self.clock()
