@@ -119,7 +119,7 @@ async def test_an_engine_start_that_times_out_leaves_no_engine_process():
     # `aclose` returns, no engine process may run (a few seconds' grace to exit), whenever it
     # would have finished starting.
     late = []
-    for tick in range(90):
+    for tick in range(60):
         running = engine_processes() - before
         if running and tick >= 10:
             late.append(sorted(running))
