@@ -67,7 +67,7 @@ class VLLMEngine(AdapterSync):
         self._aborted: set[str] = set()
         self._live: dict[str, int | None] = {}
         """Requests streaming, with the adapter version each started on (None: no adapters)."""
-        self._late_start: asyncio.Future[None] | None = None
+        self._late_start: asyncio.Task[None] | None = None
         """Shuts down the engine of a start that timed out, once its thread has built it."""
         self.adapters = Adapters()
         """Loaded LoRA adapters by version (adapter-only sync); version 0 is the base model."""
@@ -100,7 +100,7 @@ class VLLMEngine(AdapterSync):
             self._llm = await asyncio.wait_for(asyncio.shield(building), timeout=self.config.start_timeout_s)
         except TimeoutError:
             # The thread cannot be stopped: shut the engine down when it is built (`aclose` waits).
-            self._late_start = asyncio.ensure_future(_shut_down_when_built(building))
+            self._late_start = asyncio.create_task(_shut_down_when_built(building), name="vllm-late-start-shutdown")
             raise EngineError(
                 f"vLLM engine for {self.model_path} did not start within {self.config.start_timeout_s:.0f} s "
                 "(engine.start_timeout_s)"
