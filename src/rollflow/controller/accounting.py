@@ -43,6 +43,11 @@ class Accounting:
         self.drop(prompt_id, reason)
         self.abandoned += samples
 
+    def take_abandoned(self) -> int:
+        """Samples abandoned since the last call (their admission room is to be given back)."""
+        samples, self.abandoned = self.abandoned, 0
+        return samples
+
     def record_step(self, step: int, groups: list[Group], *, skipped: bool) -> None:
         """The step's groups are trained (or all dropped, when a non-finite loss skipped it)."""
         for group in groups:

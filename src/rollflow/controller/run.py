@@ -310,9 +310,9 @@ class Controller:
         """Drop what the run leaves unfinished (unless a checkpoint holds it) and give its
         admission room back: the final checkpoint then counts only samples that were trained."""
         self.accounting.settle(self.buffer, self.producer.take_in_flight(), self.config.rollout.group_size)
-        if self.accounting.abandoned:
-            self.admission.forget(self.accounting.abandoned)
-            self.accounting.abandoned = 0
+        abandoned = self.accounting.take_abandoned()
+        if abandoned:
+            self.admission.forget(abandoned)
 
     # ---- checkpoints -------------------------------------------------------------------------
 

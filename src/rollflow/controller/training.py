@@ -98,7 +98,7 @@ class TrainingLoop:
             t_batch = self.clock()
             batch, stats = self._batch(step, groups)
             trained = await self.runner.step(batch) if batch.samples else {}
-            self.runner.steps_run = step + 1
+            self.runner.steps_run = step + 1  # also for an empty batch: its version is published all the same
             t_step = self.clock()
             self._trace_step(step, t_batch, t_step, stats["samples"])
             faults.point("step-trained")
