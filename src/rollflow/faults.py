@@ -3,12 +3,15 @@
 `point(name)` does nothing unless the environment variable `ROLLFLOW_FAULT` names it, as
 `NAME` (the first time the point is reached) or `NAME:N` (the N-th time). Then the process
 kills itself with SIGKILL on the spot: no cleanup, no `finally`, exactly as a machine failure or
-the out-of-memory killer would. The points in the code are:
+the out-of-memory killer would. `NAME:N:raise` raises `InjectedFault` there instead (an
+ordinary error, which the code around the point handles as it would any other). The points in
+the code are:
 
 - `step-trained`: the optimizer step is done, its prompts not yet in the ledger;
 - `weight-sync`: the engine is loading new weights;
 - `checkpoint-write`: the checkpoint's tensors are written, its run state not yet;
-- `checkpoint-saved`: a checkpoint has just been completed.
+- `checkpoint-saved`: a checkpoint has just been completed;
+- `leader-step`: with several trainer ranks, rank 0 has announced a step, the others are in it.
 
 This module does not decide where points go; the code that owns each moment calls `point`.
 """
@@ -22,14 +25,22 @@ _ENV = "ROLLFLOW_FAULT"
 _seen: dict[str, int] = {}
 
 
+class InjectedFault(RuntimeError):
+    """The error a `NAME:N:raise` fault raises."""
+
+
 def point(name: str) -> None:
-    """Die here if `ROLLFLOW_FAULT` asks for this point (and this is the asked-for time)."""
+    """Die (or raise) here if `ROLLFLOW_FAULT` asks for this point at this time."""
     wanted = os.environ.get(_ENV)
     if not wanted:
         return
-    target, _, nth = wanted.partition(":")
+    target, _, rest = wanted.partition(":")
     if target != name:
         return
+    nth, _, how = rest.partition(":")
     _seen[name] = _seen.get(name, 0) + 1
-    if _seen[name] == (int(nth) if nth else 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if _seen[name] != (int(nth) if nth else 1):
+        return
+    if how == "raise":
+        raise InjectedFault(f"injected fault at {name} (time {_seen[name]})")
+    os.kill(os.getpid(), signal.SIGKILL)

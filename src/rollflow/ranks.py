@@ -9,16 +9,24 @@ load) must be made by all ranks together. Rank 0 wraps its trainer in a `Leader`
 the matching message (`Step`, `Sync`, `Adapter`, `Save`, `Load`) before making the call itself;
 ranks other than 0 loop in `follow`, making the same call for each message until `Stop`.
 Messages travel with `broadcast` (msgpack bytes in a uint8 tensor: length first, then payload).
-The calls are blocking: the controller makes them on its trainer thread, never on the event
-loop. Without torchrun (no WORLD_SIZE, or 1) nothing here happens. This module does not decide
-when to train.
+The calls are blocking: the controller makes them all on its one trainer thread, never on the
+event loop, so they reach the other ranks in the order they are made.
+
+When an announced call fails on rank 0, the followers may be waiting inside a collective that
+rank 0 will never make: the ranks are out of step, and no further message can be matched. The
+leader then sends nothing more (not even `Stop`); rank 0's error ends its process with a
+non-zero exit, and the followers end with it (torchrun stops the other ranks when one fails, and
+a collective whose peer has gone fails). Without torchrun (no WORLD_SIZE, or 1) nothing here
+happens. This module does not decide when to train.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,8 +35,11 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from rollflow import faults
 from rollflow.records import TrainBatch
 from rollflow.trainer import MicroBatch, TrainerBackend
+
+log = logging.getLogger(__name__)
 
 HANDOFF_TIMEOUT = timedelta(minutes=30)
 """How long a rank waits in a collective (a batch may take minutes to generate on CPU)."""
@@ -100,39 +111,60 @@ class Leader:
     def __init__(self, trainer: TrainerBackend) -> None:
         self.trainer = trainer
         self.world_size = trainer.world_size
+        self.in_lockstep = True
+        """False once an announced call failed here: the followers may be inside a collective
+        this rank will never make, so nothing more is sent to them."""
+
+    @contextmanager
+    def _announce(self, message: Message) -> Iterator[None]:
+        """Send `message`, then make the matching call in the body; a failure in it puts the
+        ranks out of step for good."""
+        if not self.in_lockstep:
+            raise RuntimeError("the trainer ranks are out of step after an earlier failure")
+        try:
+            broadcast(message)
+            yield
+        except BaseException:  # GeneratorExit too: a weight gather left halfway
+            self.in_lockstep = False
+            raise
 
     @property
     def micro_batches(self) -> list[MicroBatch]:
         return self.trainer.micro_batches
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        broadcast(Step(batch=batch))
-        return self.trainer.step(batch)
+        with self._announce(Step(batch=batch)):
+            faults.point("leader-step")
+            return self.trainer.step(batch)
 
     def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         return self.trainer.weight_specs()
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        broadcast(Sync())
-        return self.trainer.full_weights()
+        # A generator: the announcement is made by the thread that iterates, when it starts.
+        with self._announce(Sync()):
+            yield from self.trainer.full_weights()
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
-        broadcast(Adapter())
-        return self.trainer.adapter_weights()
+        with self._announce(Adapter()):
+            return self.trainer.adapter_weights()
 
     def adapter_config(self) -> dict[str, Any]:
         return self.trainer.adapter_config()
 
     def save(self, path: Path) -> dict[str, Any]:
-        broadcast(Save(path=str(path)))
-        return self.trainer.save(path)
+        with self._announce(Save(path=str(path))):
+            return self.trainer.save(path)
 
     def load(self, path: Path, rest: dict[str, Any]) -> None:
-        broadcast(Load(path=str(path), rest=msgspec.msgpack.encode(rest)))
-        self.trainer.load(path, rest)
+        with self._announce(Load(path=str(path), rest=msgspec.msgpack.encode(rest))):
+            self.trainer.load(path, rest)
 
     def stop(self) -> None:
-        """Release the followers (the run is over)."""
+        """Release the followers (the run is over), unless the ranks are out of step."""
+        if not self.in_lockstep:
+            log.error("trainer ranks out of step after a failure on rank 0: the other ranks end with this process")
+            return
         broadcast(Stop())
 
 

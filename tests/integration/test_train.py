@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -154,3 +155,48 @@ def test_two_trainer_ranks_under_torchrun(tmp_path, lora):
     entries = ledger(tmp_path)
     assert len([e for e in entries if e["outcome"] == "trained"]) == 12
     assert "steps=3" in done.stdout
+
+
+def test_an_error_on_rank_0_mid_step_ends_every_rank(tmp_path):
+    """Rank 0 fails in its second step after announcing it: rank 1 is then inside a collective
+    rank 0 will never make. The run must end, every rank with it, within a bound: no `Stop`
+    broadcast into the mismatched collective, no wait for the 30-minute collective timeout."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "-m", "rollflow", "train", "--preset", "tiny", "--max-steps", "4",
+         "--output-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", ROLLFLOW_FAULT="leader-step:2:raise"),
+    )
+    try:
+        output, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"the ranks did not end within 300 s of starting:\n{output[-3000:]}")
+    assert proc.returncode != 0, output[-3000:]
+    assert "injected fault at leader-step" in output, output[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0]  # the first step trained; the second failed
+    deadline = time.monotonic() + 10
+    while left := [p for p in os.listdir("/proc") if p.isdigit() and _in_session(p, proc.pid)]:
+        assert time.monotonic() < deadline, f"processes of the run outlived it: {left}"
+        time.sleep(0.2)
+
+
+def _in_session(pid: str, session: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and int(fields[4]) == session  # state, ..., session id

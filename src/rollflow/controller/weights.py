@@ -3,7 +3,7 @@
 Two strategies say how weights travel:
 
 - `FullWeights`: every weight, gathered out of the trainer into the transport's staging area
-  (`stage`, the trainer waits), then loaded by the engine inside its critical section (`load`),
+  (`stage`, on the trainer thread, which waits), then loaded by the engine inside its critical section (`load`),
   which runs while the next step trains when the transport's copy is a snapshot;
 - `AdapterWeights`: only the LoRA adapter, read on the trainer thread and loaded as a new
   adapter version before the next step.
@@ -92,7 +92,8 @@ class FullWeights(WeightStrategy):
         await self.transport.connect(engine)
 
     async def stage(self) -> int:
-        return await self.transport.stage(self.plan, self.runner.backend.full_weights())
+        # On the trainer thread: with several ranks the gathers are collectives, in order with the steps.
+        return await self.transport.stage(self.plan, self.runner.backend.full_weights(), run=self.runner.call)
 
     async def load(self, engine: ManagedEngine, version: int) -> None:
         await publish(engine, self.transport, self.plan, partial=self.partial, version=version)

@@ -348,7 +348,7 @@ class SimTransport:
     async def connect(self, engine: Any) -> None:
         return None
 
-    async def stage(self, plan: Any, tensors: Any) -> int:
+    async def stage(self, plan: Any, tensors: Any, run: Any = None) -> int:
         for _ in tensors:
             pass
         await asyncio.sleep(self.profile.weight_bytes / self.profile.stage_bytes_per_s)

@@ -11,6 +11,7 @@ import torch
 
 from rollflow.records import TrainBatch
 from rollflow.trainer import MicroBatch
+from rollflow.weight_sync import Run, in_thread
 from rollflow.weight_sync.buckets import BucketPlan
 
 
@@ -68,10 +69,13 @@ class NullTransport:
     async def connect(self, engine: object) -> None:
         return None
 
-    async def stage(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        for _ in tensors:  # the trainer may gather while yielding; let it finish
-            pass
-        return 0
+    async def stage(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]], run: Run = in_thread) -> int:
+        def drain() -> int:
+            for _ in tensors:  # the trainer may gather while yielding; let it finish
+                pass
+            return 0
+
+        return await run(drain)
 
     async def load(self, engine: object, plan: BucketPlan) -> None:
         return None

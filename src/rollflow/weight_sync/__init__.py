@@ -6,7 +6,9 @@ copies the weights out of the trainer while the engine keeps generating, and `lo
 staged copy into the worker inside the engine's critical section (pause -> transfer and load ->
 label the new version -> reset the prefix cache -> resume), under a deadline; `sync_weights`
 runs both. A transport whose staged copy is a snapshot (`snapshots = True`) lets the trainer
-take its next step while the engine loads. Transports:
+take its next step while the engine loads. `stage` makes its blocking copy through the `run`
+it is given (a worker thread by default; the controller passes its trainer thread, so that the
+gathers of sharded weights stay in order with the trainer's other collective calls). Transports:
 
 - `gloo`: a dedicated two-process gloo group between trainer rank 0 and each engine's worker;
 - `shm`: same host, packed buckets in a shared-memory segment the worker loads in place;
@@ -23,7 +25,7 @@ import asyncio
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -36,6 +38,13 @@ from rollflow.weight_sync.shm import ShmSender
 
 TransportName = Literal["gloo", "shm", "checkpoint", "nccl"]
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+Run = Callable[[Callable[[], int]], Awaitable[int]]
+"""Where a blocking copy runs: given a function, run it somewhere and await its result."""
+
+
+def in_thread(fn: Callable[[], int]) -> Awaitable[int]:
+    """The default `Run`: a worker thread."""
+    return asyncio.to_thread(fn)
 
 
 class WeightTransport(Protocol):
@@ -50,8 +59,9 @@ class WeightTransport(Protocol):
     snapshots: bool
     """True when `stage` copies the weights, so the trainer may change them while `load` runs."""
 
-    async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
-        """Copy the weights out of the trainer (the engine keeps generating); returns bytes."""
+    async def stage(self, plan: BucketPlan, tensors: NamedTensors, run: Run = in_thread) -> int:
+        """Copy the weights out of the trainer (the engine keeps generating) inside `run`;
+        returns bytes."""
         ...
 
     async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
@@ -91,10 +101,11 @@ class GlooTransport:
         )
         self._senders[id(member)] = sender
 
-    async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
+    async def stage(self, plan: BucketPlan, tensors: NamedTensors, run: Run = in_thread) -> int:
         if self._staged.numel() < plan.total_bytes:
             self._staged = torch.empty(plan.total_bytes, dtype=torch.uint8)
-        return await asyncio.to_thread(pack_into, plan, tensors, self._staged)
+        staged = self._staged
+        return await run(lambda: pack_into(plan, tensors, staged))
 
     async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
         for key in set(self._senders) - {id(m) for m in engine.engines()}:  # engines taken out of a pool
@@ -132,8 +143,8 @@ class ShmTransport:
     async def connect(self, engine: ManagedEngine) -> None:
         return None
 
-    async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
-        return await asyncio.to_thread(self._sender.write, plan, tensors)
+    async def stage(self, plan: BucketPlan, tensors: NamedTensors, run: Run = in_thread) -> int:
+        return await run(lambda: self._sender.write(plan, tensors))
 
     async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
         await engine.rpc("rollflow_shm_load", self._sender.name, plan.encode())
@@ -167,8 +178,8 @@ class CheckpointTransport:
         os.replace(staging, self.directory)
         return sum(t.numel() * t.element_size() for t in state.values())
 
-    async def stage(self, plan: BucketPlan, tensors: NamedTensors) -> int:
-        return await asyncio.to_thread(self._write, tensors)
+    async def stage(self, plan: BucketPlan, tensors: NamedTensors, run: Run = in_thread) -> int:
+        return await run(lambda: self._write(tensors))
 
     async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
         await engine.rpc("rollflow_load_path", str(self.directory))
@@ -241,6 +252,7 @@ __all__ = [
     "GlooTransport",
     "ShmTransport",
     "WeightTransport",
+    "in_thread",
     "make_transport",
     "plan_buckets",
     "plan_for",

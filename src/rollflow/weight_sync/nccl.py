@@ -128,11 +128,14 @@ class NcclTransport:
             NCCLTrainerWeightTransferEngine.trainer_init, info, client=client, source=empty
         )
 
-    async def stage(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    async def stage(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]], run: Any = None) -> int:
         # No copy: the GPU tensors are sent straight from the trainer, so `load` must finish
         # before the trainer changes them (snapshots = False keeps the controller waiting).
-        self._staged = await asyncio.to_thread(list, tensors)  # gathering shards: off the loop
-        return plan.total_bytes
+        def gather() -> int:  # gathering shards: off the loop, where `run` says
+            self._staged = list(tensors)
+            return plan.total_bytes
+
+        return await (run or asyncio.to_thread)(gather)
 
     async def load(self, engine: Any, plan: BucketPlan) -> None:
         if self._trainer is None:
