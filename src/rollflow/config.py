@@ -261,6 +261,16 @@ class RunConfig(_Section, frozen=True):
     """Staleness bound: no token in a batch lags more than this many versions behind the policy
     being trained (0 = synchronous on-policy training)."""
 
+    max_dropped_in_a_row: NonNegInt = 0
+    """Groups dropped in a row as failed (no sample could be scored, the engine refused the
+    prompt, or it cannot fit `engine.max_model_len`) with none trainable in between that stop
+    the run as one that cannot learn: a checkpoint is written and the error names the top
+    reasons. 0: 4 × `groups_per_step`. Groups where only some samples fail do not count."""
+
+    stall_timeout_s: NonNegFloat = 1800.0
+    """Also stop the run (as above) when no step has been taken for this many seconds while groups
+    keep being dropped as failed (0: no time limit)."""
+
     weight_sync_host: str = "127.0.0.1"
     """This process's address that engines connect to for the `gloo` / `nccl` weight transport
     (an address the engine's machine can reach when it runs elsewhere)."""
@@ -377,10 +387,15 @@ class ScoringConfig(_Section, frozen=True):
 class CheckpointConfig(_Section, frozen=True):
     enabled: bool = True
     """Write checkpoints under `checkpoints/` in the output directory: at the end of the run, on
-    a graceful stop (SIGINT / SIGTERM) and every `every` steps."""
+    a graceful stop (SIGINT / SIGTERM), when an error ends the run between steps, and
+    periodically (`every` steps or `every_s` seconds, whichever comes first)."""
 
-    every: NonNegInt = 0
-    """Also checkpoint after every this many optimizer steps (0: only at the end and on a stop)."""
+    every: NonNegInt = 100
+    """Also checkpoint after every this many optimizer steps (0: not by steps)."""
+
+    every_s: NonNegFloat = 1800.0
+    """Also checkpoint after the first step that ends this many seconds after the last checkpoint
+    (or the start), so a crash loses at most about this much work (0: not by time)."""
 
     keep_last: PosInt = 2
     """Checkpoints kept; older ones are deleted once a newer one is complete."""
@@ -546,12 +561,44 @@ def config_from_dict(data: dict[str, Any], *, source: str = "config") -> Config:
 
 
 def check_training(config: Config) -> None:
-    """Refuse settings a training run cannot use, though other commands can (e.g. `generate`)."""
+    """Refuse settings a training run cannot use, though other commands can (e.g. `generate`),
+    and combinations that would fail later or silently do something else; each names its keys."""
+    for problem in training_problems(config):
+        raise ConfigError(problem)
+
+
+def training_problems(config: Config) -> list[str]:
+    """What `check_training` refuses, one message per problem."""
+    engine, loss, lora = config.engine, config.loss, config.trainer.lora
+    problems = []
     if config.sampling.temperature <= 0:
-        raise ConfigError(
+        problems.append(
             "sampling.temperature: training samples need a temperature > 0 (0 is greedy decoding, which has "
             "no distribution to compute importance ratios against); greedy is only for `generate` and evaluation"
         )
+    if config.sampling.max_tokens >= engine.max_model_len:
+        problems.append(
+            f"sampling.max_tokens: {config.sampling.max_tokens} completion tokens leave no room for a prompt in "
+            f"engine.max_model_len = {engine.max_model_len} (prompt + completion); lower the one or raise the other"
+        )
+    if config.data.paths and config.data.task != "jsonl":
+        problems.append(
+            f'data.paths: files are read only by data.task = "jsonl", but the task is {config.data.task!r}; '
+            'set data.task = "jsonl" or remove data.paths'
+        )
+    if loss.is_mode in ("mis", "seq_mis") and loss.is_low >= loss.is_high:
+        problems.append(
+            f"loss.is_low: the kept ratio range [{loss.is_low}, {loss.is_high}] of is_mode = {loss.is_mode!r} is "
+            "empty (loss.is_low must be below loss.is_high): every token would be masked"
+        )
+    if lora.enabled and 0 < engine.max_loras < config.run.max_lag + 2:
+        problems.append(
+            f"engine.max_loras: {engine.max_loras} adapters cannot hold every version still in use with "
+            f"run.max_lag = {config.run.max_lag} (at least max_lag + 2 = {config.run.max_lag + 2}; 0 picks that)"
+        )
+    if config.run.weight_transport == "nccl" and engine.weight_transfer != "nccl":
+        problems.append('run.weight_transport: "nccl" needs the engine started with engine.weight_transfer = "nccl"')
+    return problems
 
 
 def dump_config(config: Config) -> str:

@@ -98,3 +98,30 @@ def test_the_cli_refuses_greedy_training_with_exit_code_2(tmp_path, capsys, monk
     code = main(["train", "--preset", "tiny", "--set", "sampling.temperature=0", "--output-dir", str(tmp_path / "r")])
     assert code == 2 and "sampling.temperature" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["sampling.max_tokens=1024"], "sampling.max_tokens: 1024 completion tokens leave no room"),
+        (["data.paths=['a.jsonl']"], 'data.paths: files are read only by data.task = "jsonl"'),
+        (["loss.is_mode=mis", "loss.is_low=2.0", "loss.is_high=2.0"], r"loss.is_low: the kept ratio range \[2.0"),
+        (["trainer.lora.enabled=true", "engine.max_loras=2", "run.max_lag=1"], "engine.max_loras: 2 adapters"),
+        (["run.weight_transport=nccl"], 'run.weight_transport: "nccl" needs'),
+    ],
+)
+def test_combinations_that_cannot_work_are_refused_for_training_naming_the_keys(tmp_path, overrides, words):
+    from rollflow.controller import Controller
+
+    config = load_config(preset="tiny", overrides=overrides)  # each value alone is valid
+    with pytest.raises(ConfigError, match=words):
+        Controller(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_default_and_tiny_presets_have_no_training_problem():
+    from rollflow.config import training_problems
+
+    assert training_problems(load_config(preset="tiny")) == []
+    assert training_problems(load_config(preset="default")) == []
+    assert training_problems(load_config(preset="tiny", overrides=["trainer.lora.enabled=true"])) == []

@@ -146,7 +146,8 @@ async def test_a_streaming_caller_gets_the_rest_as_preempted_with_every_version(
     [
         (['engine.urls=["htp://x:1"]'], "engine.urls[0]: expected 'local' or a server address"),
         (['engine.urls=["local", "127.0.0.1:8000"]'], "engine.urls[1]: expected"),
-        (['engine.urls=["local", "http://h:1"]', "run.weight_transport=nccl"], "NCCL into several engines"),
+        (['engine.urls=["local", "http://h:1"]', "run.weight_transport=nccl", "engine.weight_transfer=nccl"],
+         "NCCL into several engines"),
         (['engine.urls=["http://h:1"]', "trainer.lora.enabled=true"], "needs one in-process engine"),
     ],
 )
