@@ -40,6 +40,11 @@ class EngineError(RollflowError):
     """The inference engine failed a request or an operation."""
 
 
+class RequestRefused(EngineError):
+    """The engine refused one request (a prompt too long for its context, an empty prompt): that
+    request fails; the engine is fine."""
+
+
 class EngineDeadError(EngineError):
     """The inference engine's process died; the message names what died. Raised from a
     request's stream, it carries what that request had produced (`partial`, an EngineOutput)."""

@@ -5,9 +5,11 @@ prompt's fate is decided: trained at step s, or dropped with a reason. Lines are
 are written and the file is fsynced before every checkpoint, which records its length; a resumed run cuts
 the file back to that length, so work redone after a crash is never counted twice.
 
-`summarize` is the audit behind `python -m rollflow ledger DIR`: prompts trained, dropped by
-reason, duplicates and missing prompts (both must be 0). Missing means drawn by the sampler
-(per the latest checkpoint) but neither in the ledger nor pending in that checkpoint.
+`summarize` is the audit behind `python -m rollflow ledger DIR`: how the run ended, prompts
+trained, dropped by reason, duplicates and missing prompts (both must be 0). Missing means drawn
+by the sampler (per the latest checkpoint) but neither in the ledger nor pending in that
+checkpoint. A run that did not finish (stopped, failed, killed, or still running) does not pass
+the audit either: its line says which, and how to continue it.
 """
 
 from __future__ import annotations
@@ -77,15 +79,20 @@ class LedgerSummary(msgspec.Struct):
     """Prompt ids drawn but unaccounted for (must be empty); None without a checkpoint."""
     pending: int
     """Prompts saved in flight or buffered in the latest checkpoint (a stopped run resumes them)."""
+    run: str = "unknown (no status.json)"
+    """How the run ended: `finished`, or what happened instead and how to continue it."""
+    finished: bool = True
+    """The run completed (False: stopped, failed, killed or still running)."""
 
     @property
     def ok(self) -> bool:
-        return not self.duplicates and not self.missing
+        return self.finished and not self.duplicates and not self.missing
 
     def format(self) -> str:
         dropped = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.dropped.items())) or "none"
         missing = "unknown (no checkpoint)" if self.missing is None else str(len(self.missing))
         lines = [
+            f"run: {self.run}",
             f"trained: {self.trained}",
             f"dropped: {sum(self.dropped.values())} ({dropped})",
             f"pending in the latest checkpoint: {self.pending}",
@@ -114,10 +121,37 @@ def summarize(run_dir: Path) -> LedgerSummary:
         pending_ids = {g.prompt.id for g in state.buffer} | {g.prompt.id for g in state.in_flight}
         pending = len(pending_ids)
         missing = [i for i in state.consumed if i not in counts and i not in pending_ids]
+    run, finished = _how_it_ended(run_dir, checkpoint)
     return LedgerSummary(
         trained=sum(1 for e in entries if e.outcome == "trained"),
         dropped=dict(dropped),
         duplicates=sorted(i for i, n in counts.items() if n > 1),
         missing=missing,
         pending=pending,
+        run=run,
+        finished=finished,
     )
+
+
+def _how_it_ended(run_dir: Path, checkpoint: Path | None) -> tuple[str, bool]:
+    """(what to say about the run's end, whether it finished)."""
+    from rollflow.rundir import lock_holder, read_status
+
+    status = read_status(run_dir)
+    if status is None:
+        return "unknown (no status.json: written by rollflow since the run lock)", True
+    resume = (
+        f"`--resume` continues it from {checkpoint.name}"
+        if checkpoint
+        else "no checkpoint: rerun the same command to start over"
+    )
+    if status.state == "finished":
+        return f"finished ({status.steps} steps)", True
+    holder = lock_holder(run_dir)
+    if status.state == "running" and holder is not None:
+        return f"still running (process {holder}); audit it once it ends", False
+    if status.state == "running":
+        return f"crashed: process {status.pid} ended without a word (killed?); {resume}", False
+    if status.state == "stopped":
+        return f"stopped after {status.steps} steps; {resume}", False
+    return f"failed after {status.steps} steps: {status.error}; {resume}", False

@@ -88,18 +88,21 @@ async def test_a_stop_saves_work_in_flight_and_resume_continues_it_exactly(
     assert summary.trained + sum(summary.dropped.values()) == len(read_state(latest_checkpoint(tmp_path)).consumed)
 
 
-async def test_a_crash_after_a_checkpoint_resumes_without_losing_or_repeating_prompts(tmp_path):
+async def test_an_error_between_steps_checkpoints_and_resumes_without_losing_or_repeating_prompts(tmp_path):
     def crash(row):
         if row["step"] == 3:
             raise RuntimeError("simulated crash")
 
     with pytest.raises(RuntimeError, match="simulated crash"):
-        await asyncio.wait_for(make(tmp_path, on_step=crash, checkpoint__every=2).run(), 60)
-    # The crashed run wrote lines past its checkpoint (step 2, the drops at exit): they are redone.
-    assert any(e.get("step") == 2 for e in jsonl(tmp_path / "ledger.jsonl"))
-    assert read_state(latest_checkpoint(tmp_path)).step == 2
-    result = await asyncio.wait_for(make(tmp_path, resume=True, checkpoint__every=2).run(), 60)
-    assert result.first_step == 2 and result.steps == 4
+        await asyncio.wait_for(make(tmp_path, on_step=crash, checkpoint__every=3).run(), 60)
+    # The error came between steps: the four steps trained are saved (not only the periodic
+    # checkpoint of step 3), and the run is marked failed.
+    assert read_state(latest_checkpoint(tmp_path)).step == 4
+    summary = summarize(tmp_path)
+    assert not summary.ok and summary.run.startswith("failed after 4 steps: RuntimeError: simulated crash")
+    assert summary.missing == [] and summary.duplicates == []
+    result = await asyncio.wait_for(make(tmp_path, resume=True, checkpoint__every=3).run(), 60)
+    assert result.first_step == 4 and result.steps == 2
     entries = jsonl(tmp_path / "ledger.jsonl")
     assert sorted(e["step"] for e in entries if e["outcome"] == "trained") == sorted(list(range(6)) * 4)
     assert [m["step"] for m in jsonl(tmp_path / "metrics.jsonl")] == list(range(6))
@@ -165,7 +168,9 @@ async def test_repeated_non_finite_steps_stop_the_run_with_a_checkpoint(tmp_path
     assert len(dropped) == 3 * 4 and all(e["reason"].startswith("non-finite loss") for e in dropped)
     state = read_state(latest_checkpoint(tmp_path))
     assert state.step == 3 and state.nonfinite_streak == 3 and (state.in_flight or state.buffer)
-    assert summarize(tmp_path).ok
+    summary = summarize(tmp_path)
+    assert summary.missing == [] and summary.duplicates == []
+    assert not summary.ok and summary.run.startswith("failed after 3 steps: TrainingError: 3 steps in a row")
 
 
 def _state(step: int) -> RunState:

@@ -73,17 +73,31 @@ def prepare_output_dir(out: Path, config: Config, *, resume: bool) -> tuple[Path
     """Check `out` for a new or a resumed run; returns the checkpoint to resume from and its
     state. On resume, the ledger and metrics are cut back to the checkpoint."""
     existing = [n for n in (METRICS, LEDGER) if (out / n).exists()]
-    if not resume:
+    checkpoint = latest_checkpoint(out)
+    failed_early = checkpoint is None and bool(existing) and not _steps_logged(out)
+    if failed_early:
+        # The run here ended before its first step: nothing was trained, so it starts over.
+        log.warning("%s: the run here ended before its first step; starting it from the beginning", out)
+        for name in existing:
+            (out / name).unlink()
+        existing = []
+    if not resume or failed_early:
         if existing:
             raise UserInputError(
-                f"{out}: already holds a run ({', '.join(existing)}); resume it with --resume "
-                "or choose a new output directory"
+                f"{out}: already holds a run ({', '.join(existing)}); "
+                + (
+                    "resume it with --resume"
+                    if checkpoint
+                    else "it trained steps but wrote no checkpoint, so it "
+                    "cannot be resumed; remove the directory to start over"
+                )
+                + " or choose a new output directory"
             )
         out.mkdir(parents=True, exist_ok=True)
         return None
-    checkpoint = latest_checkpoint(out)
     if checkpoint is None:
-        raise UserInputError(f"{out}: no checkpoint to resume from in {out / CHECKPOINTS}; start without --resume")
+        why = " (the run trained steps but wrote none; remove the directory to start over)" if existing else ""
+        raise UserInputError(f"{out}: no checkpoint to resume from in {out / CHECKPOINTS}{why}; start without --resume")
     check_resumable(out / "config.toml", config)
     clean_temporary(out)
     state = read_state(checkpoint)
@@ -96,6 +110,24 @@ def prepare_output_dir(out: Path, config: Config, *, resume: bool) -> tuple[Path
     truncate(out / METRICS, state.metrics_bytes)
     log.info("resuming from %s (step %d)", checkpoint, state.step)
     return checkpoint, state
+
+
+def _steps_logged(out: Path) -> bool:
+    """Whether the run in `out` trained anything (a metrics row, or a prompt trained in the ledger)."""
+    metrics, ledger = out / METRICS, out / LEDGER
+    if metrics.exists() and metrics.stat().st_size > 0:
+        return True
+    if not ledger.exists():
+        return False
+    with ledger.open("rb") as lines:
+        return any(_outcome(line) in ("trained", "unreadable") for line in lines)
+
+
+def _outcome(line: bytes) -> str:
+    try:
+        return str(msgspec.json.decode(line).get("outcome", ""))
+    except (msgspec.DecodeError, AttributeError):
+        return "unreadable"  # counts as something there: never thrown away
 
 
 def check_resumable(saved: Path, config: Config) -> None:
@@ -135,6 +167,7 @@ class Checkpointer:
         """Files whose lengths a checkpoint records: on disk before the checkpoint is committed."""
         self.enabled = config.checkpoint.enabled
         self.every = config.checkpoint.every if self.enabled else 0
+        self.every_s = config.checkpoint.every_s if self.enabled else 0.0
         self.keep_last = config.checkpoint.keep_last
         self.max_steps = config.run.max_steps
         self.runner = runner
@@ -142,10 +175,16 @@ class Checkpointer:
         self.clock = clock
         self.last: Path | None = None
         """The last checkpoint written."""
+        self.last_at = clock()
+        """When the last checkpoint was written (or the run started)."""
+        self.last_step = 0
+        """The step count of the last checkpoint written or restored."""
 
     def due(self, steps_done: int) -> bool:
         """A periodic checkpoint is due after `steps_done` steps (the final one is written apart)."""
-        return bool(self.every) and steps_done % self.every == 0 and steps_done < self.max_steps
+        by_steps = bool(self.every) and steps_done % self.every == 0
+        by_time = bool(self.every_s) and self.clock() - self.last_at >= self.every_s
+        return (by_steps or by_time) and steps_done < self.max_steps
 
     async def save(self, state: RunState) -> Path:
         """Write `state` and the trainer's tensors as the checkpoint of step `state.step`."""
@@ -159,7 +198,7 @@ class Checkpointer:
 
         path = await self.runner.call(write)
         self.trace.span("checkpoint", "trainer", began, self.clock(), step=state.step, path=path.name)
-        self.last = path
+        self.last, self.last_at, self.last_step = path, self.clock(), state.step
         log.info("checkpoint %s written in %.1f s", path, self.clock() - began)
         return path
 
@@ -168,4 +207,4 @@ class Checkpointer:
         path = checkpoint / "trainer"
         backend = self.runner.backend
         await self.runner.call(lambda: backend.load(path, state.trainer))
-        self.runner.steps_run = state.step
+        self.runner.steps_run = self.last_step = state.step

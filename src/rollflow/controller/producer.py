@@ -27,6 +27,7 @@ from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import PendingGroup
 from rollflow.config import Config
 from rollflow.controller.accounting import Accounting
+from rollflow.controller.stall import StallWatch
 from rollflow.controller.supervisor import Supervisor
 from rollflow.envs import ChatFormat, EnvFactory, EpisodeLimits, episode_score, run_episode
 from rollflow.errors import EngineDeadError, EngineError
@@ -73,6 +74,7 @@ class Producer:
         env: EnvFactory | None = None,
         chat: ChatFormat | None = None,
         teacher: Any = None,
+        stall: StallWatch | None = None,
     ) -> None:
         self.config = config
         self.sampler = sampler
@@ -90,6 +92,8 @@ class Producer:
         self.chat = chat
         self.teacher = teacher
         """On-policy distillation: scores the student's tokens (`scoring.teacher`)."""
+        self.stall = stall
+        """Told of every group dropped as failed and every group buffered (the stop rule)."""
         self.limits = EpisodeLimits(
             max_turns=config.env.max_turns,
             max_tokens=config.env.max_tokens,
@@ -120,9 +124,25 @@ class Producer:
         while await self.admission.acquire(group_size):
             prompt = self.sampler.next()
             self.consumed.append(prompt.id)
+            if (reason := self._unusable(prompt)) is not None:  # dropped before it is sent
+                self.accounting.drop(prompt.id, reason)
+                if self.stall is not None:
+                    self.stall.failed(reason)
+                await self.admission.release(group_size)
+                await asyncio.sleep(0)  # nothing above waits: let the rest of the run see the drop
+                continue
             group_id = f"g{self.group_seq}"
             self.group_seq += 1
             self._launch(tg, prompt, group_id, [PartialSample() for _ in range(group_size)])
+
+    def _unusable(self, prompt: Prompt) -> str | None:
+        """Why the engine would refuse this prompt, or None."""
+        n, context = len(prompt.token_ids), self.config.engine.max_model_len
+        if n == 0:
+            return "prompt unusable: it has no tokens"
+        if n >= context:
+            return f"prompt too long: {n} tokens leave no room to generate in engine.max_model_len = {context}"
+        return None
 
     def _launch(self, tg: asyncio.TaskGroup, prompt: Prompt, group_id: str, start: list[PartialSample]) -> None:
         if self._generating == 0:
@@ -148,6 +168,12 @@ class Producer:
             self.accounting.abandon(entry.prompt.id, reason, abandoned)
         else:
             self.accounting.drop(entry.prompt.id, reason)
+
+    def _fail(self, entry: InFlight, reason: str) -> None:
+        """The group is dropped as failed: nothing of it can be trained (the stop rule counts it)."""
+        self._drop(entry, reason)
+        if self.stall is not None:
+            self.stall.failed(reason)
 
     def _generated(self, entry: InFlight) -> None:
         entry.generating = False
@@ -184,7 +210,7 @@ class Producer:
                     self._drop(entry, "run ended: in flight", abandoned=len(tasks))
                 raise
             if isinstance(err, EngineError) and not isinstance(err, EngineDeadError):
-                self._drop(entry, f"engine error: {err}")
+                self._fail(entry, f"engine error: {err}")
                 await self.admission.release(len(tasks))
                 return None
             self._drop(entry, f"run failed: {err}")  # the error ends the run; the prompt is still accounted for
@@ -274,7 +300,7 @@ class Producer:
         ]
         self.trace.span("reward", "reward", began, self.clock(), prompt=prompt.id, rewards=[s.reward for s in scored])
         if all(s.reward is None for s in scored):
-            self._drop(entry, f"unscorable: {scored[0].unscorable}")
+            self._fail(entry, f"unscorable: {scored[0].unscorable}")
             await self.admission.release(len(scored))
             return
         adv = group_advantages([s.reward for s in scored], estimator=cfg.loss.advantage, scale_std=cfg.loss.scale_std)
@@ -288,6 +314,8 @@ class Producer:
             credit = [None if t is None else [cfg.scoring.process_coef * a for a in t] for t in per_token]
         await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages, token_advantages=credit))
         entry.settled = True
+        if self.stall is not None:
+            self.stall.buffered()
 
     async def _teacher_logprobs(
         self, samples: list[Sample], results: list[Scored]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from rollflow.controller.accounting import Accounting
 from rollflow.controller.persistence import Checkpointer, Outputs, prepare_output_dir
 from rollflow.controller.producer import Producer
 from rollflow.controller.setup import Components, Given, build
+from rollflow.controller.stall import StallWatch
 from rollflow.controller.supervisor import Supervisor
 from rollflow.controller.trainer_thread import TrainerRunner
 from rollflow.controller.training import TrainingLoop
@@ -33,7 +35,9 @@ from rollflow.controller.weights import AdapterWeights, FullWeights, WeightPubli
 from rollflow.engine import ManagedEngine
 from rollflow.engine.factory import check_engines
 from rollflow.envs import EnvFactory, load_environment
+from rollflow.errors import TrainingError
 from rollflow.evaluate import EvalReport, evaluate_held_out, sampling_spec
+from rollflow.rundir import RunLock, RunStatus, write_status
 from rollflow.scoring import RewardFunc, Scorer, make_rewards, make_scorer
 from rollflow.trace import Trace
 from rollflow.trainer import TrainerBackend
@@ -130,6 +134,13 @@ class Controller:
         self.scorer = Scorer(rewards, max_concurrency=config.scoring.max_concurrency)
         """Every training reward, run on whole groups beside generation."""
         self._stop = asyncio.Event()
+        self.stall = StallWatch(
+            config.run.max_dropped_in_a_row or 4 * config.run.groups_per_step,
+            config.run.stall_timeout_s,
+            clock=clock,
+            on_stall=lambda message: self._stop.set(),
+        )
+        """The stop rule for a run that cannot learn (its message is the run's error)."""
 
     # ---- the public surface ------------------------------------------------------------------
 
@@ -159,8 +170,25 @@ class Controller:
     # ---- the run -----------------------------------------------------------------------------
 
     async def run(self) -> RunResult:
+        lock = RunLock(self.output_dir)  # before anything in the directory is read or cut back
+        try:
+            resumed = prepare_output_dir(self.output_dir, self.config, resume=self.resume)
+            write_status(self.output_dir, RunStatus("running", pid=os.getpid()))
+            try:
+                result = await self._run(resumed)
+            except BaseException as err:
+                steps = self.training.steps_done if hasattr(self, "training") else 0
+                error = f"{type(err).__name__}: {err}"[:1000]
+                write_status(self.output_dir, RunStatus("failed", pid=os.getpid(), steps=steps, error=error))
+                raise
+            state = "stopped" if result.stopped else "finished"
+            write_status(self.output_dir, RunStatus(state, pid=os.getpid(), steps=result.first_step + result.steps))
+            return result
+        finally:
+            lock.release()
+
+    async def _run(self, resumed: tuple[Path, RunState] | None) -> RunResult:
         cfg = self.config
-        resumed = prepare_output_dir(self.output_dir, cfg, resume=self.resume)
         (self.output_dir / "config.toml").write_text(dump_config(cfg))
         began = self.began = self.clock()
         self.outputs = out = Outputs(self.output_dir, cfg, began)
@@ -184,7 +212,11 @@ class Controller:
                 # 0.1-0.3 s; garbage frozen with the rest is collected after the run unfreezes.
                 gc.freeze()
                 frozen = True
-            await self._drive()
+            try:
+                await self._drive()
+            except Exception:
+                await self._save_after_error()
+                raise
             if not self._stop.is_set() and self.checkpointer.enabled:
                 self._settle()  # the final checkpoint holds no work in progress
                 await self._checkpoint(cfg.run.max_steps, keep_pending=False)
@@ -194,6 +226,10 @@ class Controller:
             if frozen:
                 gc.unfreeze()
             await self._teardown()
+        if self.stall.message is not None:
+            saved = self.checkpointer.last
+            where = f"; the run so far is in {saved} (--resume continues it)" if saved else ""
+            raise TrainingError(self.stall.message + where)
         training = self.training
         return RunResult(
             steps=len(training.metrics),
@@ -209,9 +245,27 @@ class Controller:
             checkpoint=str(self.checkpointer.last) if self.checkpointer.last else None,
         )
 
+    async def _save_after_error(self) -> None:
+        """An error ends the run: checkpoint the steps trained since the last checkpoint, if the
+        trainer is between steps (inside a step, or its weight publish, its state is not known
+        to match a step count, and nothing is written)."""
+        training, checkpointer = self.training, self.checkpointer
+        if not checkpointer.enabled or training.in_step or training.steps_done <= checkpointer.last_step:
+            return
+        try:
+            self._settle()
+            saved = await self._checkpoint(training.steps_done, keep_pending=False)
+        except Exception as err:  # the run's own error is the one to report
+            log.error("after the error, no checkpoint could be written: %s: %s", type(err).__name__, err)
+            return
+        log.error(
+            "the run failed after %d steps; they are saved in %s (--resume continues)", training.steps_done, saved
+        )
+
     async def _drive(self) -> None:
         """The producer, the training loop, the health watch and the loop-lag probe, together
         until training ends; the other three are then cancelled."""
+        self.stall.stepped()  # the stall clock starts with the run
         try:
             async with asyncio.TaskGroup() as tg:
                 producer = tg.create_task(self.producer.run(tg), name="producer")
@@ -268,6 +322,7 @@ class Controller:
             env=self.env,
             chat=parts.chat,
             teacher=parts.teacher,
+            stall=self.stall,
         )
         self.checkpointer = Checkpointer(
             self.output_dir,
@@ -292,6 +347,7 @@ class Controller:
             loop_lag=self.outputs.loop_lag,
             clock=self.clock,
             stop=self._stop,
+            stall=self.stall,
             on_step=self.on_step,
         )
         self.training.began = self.began

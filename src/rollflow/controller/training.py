@@ -24,6 +24,7 @@ from rollflow.config import Config
 from rollflow.controller.accounting import Accounting
 from rollflow.controller.persistence import Checkpointer
 from rollflow.controller.producer import Producer
+from rollflow.controller.stall import StallWatch
 from rollflow.controller.step_metrics import TRAINER_KEYS, StepMetrics
 from rollflow.controller.supervisor import Supervisor
 from rollflow.controller.trainer_thread import TrainerRunner
@@ -54,6 +55,7 @@ class TrainingLoop:
         loop_lag: LoopLag,
         clock: Callable[[], float],
         stop: asyncio.Event,
+        stall: StallWatch,
         on_step: Callable[[dict], None] | None = None,
     ) -> None:
         self.config = config
@@ -71,6 +73,7 @@ class TrainingLoop:
         self.loop_lag = loop_lag
         self.clock = clock
         self.stop = stop
+        self.stall = stall
         self.on_step = on_step
         self.metrics: list[dict[str, Any]] = []
         """Every step's row, as the sinks got it."""
@@ -81,6 +84,9 @@ class TrainingLoop:
         self.began = 0.0
         self.nonfinite_streak = 0
         """Steps in a row skipped for a non-finite loss or gradient."""
+        self.in_step = False
+        """Between taking a step's groups and recording them: the trainer's weights may be ahead
+        of the step count (a checkpoint then would not match them)."""
 
     @property
     def steps_done(self) -> int:
@@ -95,6 +101,7 @@ class TrainingLoop:
             if groups is None:
                 break
             self.accounting.stepping = groups  # out of the buffer, not yet in the ledger
+            self.in_step = True
             t_batch = self.clock()
             batch, stats = self._batch(step, groups)
             trained = await self.runner.step(batch) if batch.samples else {}
@@ -107,6 +114,8 @@ class TrainingLoop:
             self.trace.span("stage weights", "weight sync", t_step, t_sync, step=step, bytes=staged)
             skipped = bool(trained.get("skipped"))
             self.accounting.record_step(step, groups, skipped=skipped)
+            self.in_step = False
+            self.stall.stepped()
             self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
             self._report(step, (t0, t_batch, t_step, t_sync), before, stats, trained, staged)
             await self._stop_if_diverged(step)

@@ -41,7 +41,7 @@ from rollflow.engine import (
 )
 from rollflow.engine.adapters import Adapters, AdapterSync
 from rollflow.engine.environment import engine_args, prepare_environment, sampling_params
-from rollflow.errors import EngineDeadError, EngineError, WeightSyncError
+from rollflow.errors import EngineDeadError, EngineError, RequestRefused, WeightSyncError
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,7 @@ class VLLMEngine(AdapterSync):
     async def stream(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *, deltas: bool = True
     ) -> AsyncGenerator[EngineOutput, None]:
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
         llm = self.llm
@@ -162,8 +163,10 @@ class VLLMEngine(AdapterSync):
         lora = self.adapters.use(adapter_version) if adapter_version is not None else None
         self._live[request_id] = adapter_version
         produced = 0
+        started = False
         try:
             async for out in llm.generate(prompt, sampling_params(sampling, deltas), request_id, lora_request=lora):
+                started = True
                 completion = out.outputs[0]
                 tokens = list(completion.token_ids)
                 produced += len(tokens)
@@ -186,6 +189,11 @@ class VLLMEngine(AdapterSync):
         except VLLMDead as err:
             # The client keeps the request's state: hand over what it had produced.
             raise self._dead(err, self.partial(request_id)) from err
+        except (VLLMClientError, ValueError) as err:
+            if started:
+                raise
+            # vLLM refused this request (too long, empty, ...): this request fails, not the engine.
+            raise RequestRefused(f"request {request_id}: the engine refused it: {err}") from err
         finally:
             self._live.pop(request_id, None)
             self._aborted.discard(request_id)

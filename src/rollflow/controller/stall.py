@@ -1,0 +1,77 @@
+"""The stop rule for a run that cannot learn.
+
+A group is *dropped as failed* when none of its samples could be scored, when the engine refused
+it, or when its prompt cannot fit the engine's context. One such group is ordinary (a flaky
+reward server, one odd prompt); many in a row with nothing trained in between mean a broken
+reward function, server, environment or dataset. `StallWatch` counts them and, at
+`run.max_dropped_in_a_row` in a row, or once no step has been taken for `run.stall_timeout_s`
+while groups keep failing, asks the run to stop with a message naming the top reasons. Groups
+that reach the buffer reset the count. It decides nothing else; the controller stops the run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+TOP_REASONS = 3
+REASON_CHARS = 160
+
+
+class StallWatch:
+    """Counts failed groups since the last trainable one; calls `on_stall` once when the rule fires."""
+
+    def __init__(
+        self,
+        max_in_a_row: int,
+        stall_timeout_s: float,
+        *,
+        clock: Callable[[], float],
+        on_stall: Callable[[str], None],
+    ) -> None:
+        self.max_in_a_row = max_in_a_row
+        self.stall_timeout_s = stall_timeout_s
+        self.clock = clock
+        self.on_stall = on_stall
+        self.in_a_row = 0
+        """Groups dropped as failed since the last group that reached the buffer."""
+        self.reasons: Counter[str] = Counter()
+        """Why, since the last trained step (or the start)."""
+        self.since = clock()
+        """When the last step was taken (or the run started)."""
+        self.message: str | None = None
+        """Set once the rule has fired: why the run cannot learn."""
+
+    def failed(self, reason: str) -> None:
+        """A group was dropped as failed."""
+        self.in_a_row += 1
+        self.reasons[_short(reason)] += 1
+        if self.message is not None:
+            return
+        idle = self.clock() - self.since
+        if self.in_a_row >= self.max_in_a_row:
+            self._fire(f"{self.in_a_row} groups in a row were dropped with nothing to train")
+        elif self.stall_timeout_s and idle >= self.stall_timeout_s:
+            self._fire(f"no step for {idle:.0f} s (run.stall_timeout_s) while groups kept being dropped")
+
+    def buffered(self) -> None:
+        """A group reached the buffer: it will be trained."""
+        self.in_a_row = 0
+
+    def stepped(self) -> None:
+        """A step was taken."""
+        self.since = self.clock()
+        self.reasons.clear()
+
+    def _fire(self, what: str) -> None:
+        top = "; ".join(f"{reason} ×{n}" for reason, n in self.reasons.most_common(TOP_REASONS))
+        self.message = (
+            f"the run cannot learn: {what}. Top reasons: {top}. Check the reward functions or reward server, "
+            "the environment and the data these name (run.max_dropped_in_a_row and run.stall_timeout_s set "
+            "when this stops a run)"
+        )
+        self.on_stall(self.message)
+
+
+def _short(reason: str) -> str:
+    return reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 1] + "…"
