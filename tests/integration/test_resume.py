@@ -1,8 +1,8 @@
 """Crash and resume a real training run (tiny preset, real vLLM, subprocesses).
 
-Per seed, one run directory goes through: a graceful SIGINT (checkpoint with work in flight,
-exit 0), a SIGKILL at a named fault point (during weight sync, checkpoint writing, ...), a SIGKILL
-from outside at a random moment, and a final resume that completes. At the end the ledger shows
+One run directory goes through: a graceful SIGINT (checkpoint with work in flight, exit 0), a
+SIGKILL while a checkpoint is written, a SIGKILL inside a weight sync, a SIGKILL from outside at
+a random moment, and a final resume that completes. At the end the ledger shows
 every prompt trained exactly once or dropped with a reason (0 lost, 0 duplicated), the metrics
 hold every step once, and no engine process outlived a killed run.
 """
@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-STEPS = 8
+STEPS = 10
 GROUPS = 2
 SETTINGS = [
     f"run.max_steps={STEPS}",
@@ -67,11 +67,11 @@ class Run:
     def output(self) -> str:
         return "".join(line for _, line in self.lines)[-3000:]
 
-    def wait_until(self, condition, what: str, timeout: float = 240) -> None:
+    def wait_until(self, condition, what: str, timeout: float = 480) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
             assert self.proc.poll() is None, f"run ended before {what} ({self.proc.returncode}):\n{self.output}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s; the run printed:\n{self.output}"
             time.sleep(0.1)
 
     def wait(self, timeout: float = 600) -> int:
@@ -122,17 +122,20 @@ def latest_step(out: Path) -> int:
     return max((int(name.split("-")[1]) for name in names), default=-1)
 
 
-def audit(out: Path) -> None:
-    done = subprocess.run(
+def ledger(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "rollflow", "ledger", str(out)], capture_output=True, text=True, check=False
     )
+
+
+def audit(out: Path) -> None:
+    done = ledger(out)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "duplicates: 0" in done.stdout and "missing: 0" in done.stdout
 
 
-@pytest.mark.parametrize(("seed", "fault"), [(1, "checkpoint-write"), (2, "weight-sync")])
-def test_killed_and_resumed_runs_train_every_prompt_exactly_once(tmp_path, seed, fault):
-    rng = random.Random(seed)
+def test_killed_and_resumed_runs_train_every_prompt_exactly_once(tmp_path):
+    rng = random.Random(1)
     out = tmp_path / "run"
 
     # 1. Graceful stop: SIGINT after a step -> checkpoint with the work in flight, exit 0.
@@ -144,11 +147,12 @@ def test_killed_and_resumed_runs_train_every_prompt_exactly_once(tmp_path, seed,
     assert "stopped after step" in run.output and "--resume" in run.output
     assert "run ended" not in (out / "ledger.jsonl").read_text()  # nothing in flight was given up
 
-    # 2. SIGKILL at a named moment (inside weight sync, while writing a checkpoint, ...).
-    fault = f"{fault}:{rng.randint(1, 2)}"
-    run = Run(out, resume=True, fault=fault)
-    assert run.wait() == -signal.SIGKILL, f"fault {fault} did not fire:\n{run.output}"
-    assert_gone(run.engines)
+    # 2. SIGKILL at named moments: while writing a checkpoint, then inside a weight sync.
+    for fault in ("checkpoint-write", "weight-sync"):
+        fault = f"{fault}:{rng.randint(1, 2)}"
+        run = Run(out, resume=True, fault=fault)
+        assert run.wait() == -signal.SIGKILL, f"fault {fault} did not fire:\n{run.output}"
+        assert_gone(run.engines)
 
     # 3. SIGKILL from outside at a random moment, once the resumed run has made progress.
     target = min(latest_step(out) + rng.randint(1, 2), STEPS - 2)
@@ -158,12 +162,15 @@ def test_killed_and_resumed_runs_train_every_prompt_exactly_once(tmp_path, seed,
     run.proc.kill()
     assert run.wait() == -signal.SIGKILL, f"the run finished before it could be killed:\n{run.output}"
     assert_gone(run.engines)
+    killed = ledger(out)
+    assert killed.returncode == 1 and "run: crashed: process" in killed.stdout, killed.stdout + killed.stderr
+    assert "`--resume` continues it from step-" in killed.stdout
 
     # 4. Resume to the end.
     run = Run(out, resume=True)
     assert run.wait() == 0, run.output
 
-    assert steps_done(out) == list(range(STEPS))  # every step once, in order, across four runs
+    assert steps_done(out) == list(range(STEPS))  # every step once, in order, across five runs
     entries = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
     trained_steps = sorted(e["step"] for e in entries if e["outcome"] == "trained")
     assert trained_steps == sorted(list(range(STEPS)) * GROUPS)
