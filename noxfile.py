@@ -32,8 +32,8 @@ def types(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The full test suite (what CI runs)."""
-    session.run(PY, "-m", "pytest", *session.posargs)
+    """The full test suite (what CI runs: two workers, a test file each)."""
+    session.run(PY, "-m", "pytest", "-n", "2", "--dist", "loadfile", *session.posargs)
 
 
 @nox.session

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -61,16 +64,30 @@ def test_train_refuses_an_output_directory_that_holds_a_run(tmp_path):
     assert "already holds a run" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_a_reward_that_always_raises_ends_the_run_naming_it(tmp_path):
+def left_behind(temp: Path) -> list[Path]:
+    """Sockets anywhere under `temp`, and rollflow's own entries (torch's compile cache may stay)."""
+    return [p for p in temp.rglob("*") if p.is_socket() or p.name.startswith("rollflow")]
+
+
+@pytest.fixture
+def short_temp():
+    """A temp directory for a run, with a short path (a Unix socket's path must fit in 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_reward_that_always_raises_ends_the_run_naming_it(tmp_path, short_temp):
     (tmp_path / "broken_reward.py").write_text(
         "def boom(prompts, completions, **kwargs):\n    raise RuntimeError('boom')\n"
     )
     began = time.monotonic()
+    temp = short_temp  # the run's temp directory: nothing may be left in it
     done = subprocess.run(
         [sys.executable, "-m", "rollflow", "train", "--preset", "tiny", "--output-dir", str(tmp_path / "run"),
          "--set", 'scoring.rewards=[{name = "boom", function = "broken_reward:boom"}]'],
         capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        env={**os.environ, "PYTHONPATH": str(tmp_path), "TMPDIR": str(temp)},
     )
     elapsed = time.monotonic() - began
     assert done.returncode == 1, done.stderr[-2000:]
@@ -78,9 +95,11 @@ def test_a_reward_that_always_raises_ends_the_run_naming_it(tmp_path):
     assert elapsed < 150, f"{elapsed:.0f} s (the engine starts in 20-60 s; the rule then fires within seconds)"
     ledger = (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()
     assert 16 <= len(ledger) < 40  # the ledger stops growing once the rule fires
+    assert left_behind(temp) == [], "the run left sockets or files of its own in its temp directory"
 
 
-def test_over_long_prompts_are_dropped_and_a_second_run_on_the_directory_is_refused(tmp_path):
+def test_over_long_prompts_are_dropped_and_a_second_run_on_the_directory_is_refused(tmp_path, short_temp):
+    steps = 16  # long enough (30 s or more) for the second command to start while this one runs
     """Real vLLM refuses a prompt longer than its context; the run drops those prompts with the
     reason and trains to max_steps. Meanwhile a `--resume` on its directory is refused at once."""
     data = tmp_path / "data.jsonl"
@@ -88,14 +107,17 @@ def test_over_long_prompts_are_dropped_and_a_second_run_on_the_directory_is_refu
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "run"
     args = [sys.executable, "-m", "rollflow", "train", "--preset", "tiny", "--output-dir", str(out),
-            "--set", "run.max_steps=3", "--set", 'data.task="jsonl"', "--set", f'data.paths=["{data}"]']
-    live = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            "--set", f"run.max_steps={steps}", "--set", 'data.task="jsonl"', "--set", f'data.paths=["{data}"]']
+    temp = short_temp  # the run's temp directory: nothing may be left in it
+    live = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": str(temp)})
     deadline = time.monotonic() + 240
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
         assert live.poll() is None, live.communicate()[0][-3000:]
         assert time.monotonic() < deadline, "no step within 240 s"
         time.sleep(0.2)
     second = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=120, check=False)
+    assert live.poll() is None, "the live run ended before the second one could try its directory"
     assert second.returncode == 2, second.stderr[-2000:]
     assert f"another rollflow run is using this directory (process {live.pid})" in second.stderr
     output, _ = live.communicate(timeout=300)
@@ -103,6 +125,7 @@ def test_over_long_prompts_are_dropped_and_a_second_run_on_the_directory_is_refu
     entries = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
     too_long = [e for e in entries if e.get("reason", "").startswith("prompt too long")]
     assert too_long and all("engine.max_model_len = 1024" in e["reason"] for e in too_long)
-    assert len([e for e in entries if e["outcome"] == "trained"]) == 3 * 4
+    assert len([e for e in entries if e["outcome"] == "trained"]) == steps * 4
+    assert left_behind(temp) == [], "the run left sockets or files of its own in its temp directory"
     audit = run("ledger", str(out))
-    assert audit.returncode == 0 and "run: finished (3 steps)" in audit.stdout, audit.stdout + audit.stderr
+    assert audit.returncode == 0 and f"run: finished ({steps} steps)" in audit.stdout, audit.stdout + audit.stderr

@@ -10,9 +10,12 @@ vLLM's `SamplingParams`. No engine is started here.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,25 @@ def prepare_environment(config: EngineConfig) -> None:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     for key, value in env.items():
         os.environ.setdefault(key, value)
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        os.environ["VLLM_RPC_BASE_PATH"] = socket_folder()
+
+
+def socket_folder() -> str:
+    """A folder of this process for the engines' IPC sockets (vLLM leaves one socket file per
+    engine in the temp directory otherwise), removed when the process exits, on success, on an
+    error and on Ctrl-C alike."""
+    path = tempfile.mkdtemp(prefix="rollflow-ipc-")
+    if len(path) > MAX_SOCKET_FOLDER:  # a socket path (folder + 37) must fit 107 bytes
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix="rollflow-ipc-", dir="/tmp")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+MAX_SOCKET_FOLDER = 64
+"""Longest folder for IPC sockets: vLLM adds a 37-character name, and a Unix socket's whole path
+must fit in 107 bytes."""
 
 
 def sampling_params(sampling: SamplingSpec, deltas: bool = True) -> Any:
