@@ -530,9 +530,13 @@ def load_config(
     if path is not None:
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_bytes().decode("utf-8-sig")  # a byte-order mark is dropped
         except OSError as err:
             raise ConfigError(f"{path}: cannot read config file ({err.strerror})") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); a config is a TOML file"
+            ) from None
         try:
             data = _merge(data, tomllib.loads(text))
         except tomllib.TOMLDecodeError as err:

@@ -36,6 +36,10 @@ class _Row(msgspec.Struct, frozen=True):
     metadata: dict[str, Any]
 
 
+ROLES = ("system", "user", "assistant", "tool")
+"""Chat roles a dataset's `messages` may use (what chat templates render)."""
+
+
 def _fail(path: Path, line: int, what: str) -> DataError:
     return DataError(f"{path}:{line}: {what}")
 
@@ -61,6 +65,9 @@ def _parse_row(path: Path, line: int, text: str) -> _Row:
             raise _fail(path, line, f"`messages` must be a list of {{role, content}} ({err})") from None
         if not parsed:
             raise _fail(path, line, "`messages` is empty")
+        for m in parsed:
+            if m.role not in ROLES:
+                raise _fail(path, line, f"unknown role {m.role!r} in `messages`; expected one of {', '.join(ROLES)}")
     answer = obj.pop("answer", None)
     if answer is not None and not isinstance(answer, (str, int)):
         raise _fail(path, line, f"`answer` must be a string or integer, found {type(answer).__name__}")
@@ -88,7 +95,7 @@ def read_jsonl(paths: list[str]) -> list[_Row]:
     for name in paths:
         path = Path(name)
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
+            lines = path.read_bytes().decode("utf-8-sig").splitlines()  # a byte-order mark is dropped
         except OSError as err:
             raise DataError(f"{path}: cannot read dataset file ({err.strerror})") from None
         except UnicodeDecodeError as err:

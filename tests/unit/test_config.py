@@ -125,3 +125,13 @@ def test_the_default_and_tiny_presets_have_no_training_problem():
     assert training_problems(load_config(preset="tiny")) == []
     assert training_problems(load_config(preset="default")) == []
     assert training_problems(load_config(preset="tiny", overrides=["trainer.lora.enabled=true"])) == []
+
+
+def test_config_files_that_are_not_utf8_are_refused_naming_the_file_and_a_byte_order_mark_is_dropped(tmp_path):
+    binary = tmp_path / "run.toml"
+    binary.write_bytes(b"[run]\nmax_steps = 3\n\xff\xfe\x00")
+    with pytest.raises(ConfigError, match=rf"{binary}: not UTF-8 text \(byte 20"):
+        load_config(binary)
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf[run]\nmax_steps = 3\n")
+    assert load_config(bom).run.max_steps == 3

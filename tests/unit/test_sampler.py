@@ -77,6 +77,7 @@ def test_jsonl_rows_with_messages_ids_and_extra_columns(tmp_path):
         ('{"prompt": ""}', "`prompt` must be a non-empty string"),
         ('{"messages": [{"role": "user"}]}', "`messages` must be a list of {role, content}"),
         ('{"prompt": "a", "answer": [1]}', "`answer` must be a string or integer"),
+        ('{"messages": [{"role": "usr", "content": "hi"}]}', "unknown role 'usr' in `messages`; expected one of"),
     ],
 )
 def test_malformed_row_names_file_and_line(tmp_path, line, expected):
@@ -97,3 +98,9 @@ def test_duplicate_ids_missing_file_and_no_paths(tmp_path):
         Sampler(DataConfig(task="jsonl", paths=[str(tmp_path / "none.jsonl")]), encode)
     with pytest.raises(DataError, match="data.paths"):
         Sampler(DataConfig(task="jsonl"), encode)
+
+
+def test_a_dataset_with_a_byte_order_mark_reads_like_one_without(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "prompt": "x"}\n')
+    assert Sampler(DataConfig(task="jsonl", paths=[str(path)]), encode).next().id == "a"
