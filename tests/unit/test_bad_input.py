@@ -226,3 +226,21 @@ async def test_the_ledger_audit_tells_a_finished_run_from_a_stopped_or_killed_on
     assert summarize(tmp_path).run.startswith(f"crashed: process {os.getpid()} ended without a word")
     result = await asyncio.wait_for(fake_controller(config, tmp_path, resume=True).run(), 60)
     assert summarize(tmp_path).ok and summarize(tmp_path).run == "finished (4 steps)"
+
+
+async def test_an_engine_server_that_cannot_be_reached_fails_naming_its_url(caplog, monkeypatch):
+    from rollflow.config import EngineConfig
+    from rollflow.engine import remote
+    from rollflow.engine.remote import RemoteEngine
+
+    # No such host: at once, whatever the start timeout.
+    began = time.monotonic()
+    with pytest.raises(EngineError, match=r"vLLM server http://no-such-host\.invalid:8000: cannot resolve its host"):
+        await RemoteEngine("http://no-such-host.invalid:8000", EngineConfig(start_timeout_s=300)).start()
+    assert time.monotonic() - began < 15
+    # Nothing listening: the start waits (a server may still be loading), saying what it waits for.
+    url = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setattr(remote, "WAIT_REPORT_S", 0.5)
+    with pytest.raises(EngineError, match=rf"vLLM server {url} did not answer /health within 2 s .*last: /health"):
+        await RemoteEngine(url, EngineConfig(start_timeout_s=2)).start()
+    assert any(f"waiting for vLLM server {url}" in r.getMessage() for r in caplog.records)

@@ -54,6 +54,8 @@ SERVER_ID_PREFIX = "generate-tokens-"
 
 HEALTH_POLL_S = 1.0
 """How often `start` asks a server that is still starting whether it is up."""
+WAIT_REPORT_S = 10.0
+"""How often a start still waiting for its server says so."""
 
 
 class RemoteEngine:
@@ -83,19 +85,33 @@ class RemoteEngine:
         import aiohttp
 
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
-        began = time.monotonic()
+        began = told = time.monotonic()
         while True:
             try:
                 async with self._session.get(f"{self.url}/health") as resp:
                     if resp.status == 200:
                         break
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() - began > self.config.start_timeout_s:
+                    last = f"/health answered {resp.status}"
+            except aiohttp.ClientConnectorDNSError as err:  # no such host: waiting will not help
+                await self.aclose()
+                raise EngineError(f"vLLM server {self.url}: cannot resolve its host ({err.os_error})") from None
+            except aiohttp.ClientError as err:
+                last = f"/health: {type(err).__name__}"
+            waited = time.monotonic() - began
+            if waited > self.config.start_timeout_s:
                 await self.aclose()
                 raise EngineError(
                     f"vLLM server {self.url} did not answer /health within {self.config.start_timeout_s:.0f} s "
-                    "(engine.start_timeout_s)"
+                    f"(engine.start_timeout_s; last: {last})"
+                )
+            if time.monotonic() - told >= WAIT_REPORT_S:
+                told = time.monotonic()
+                log.warning(
+                    "waiting for vLLM server %s (%s): %.0f s of %.0f s (engine.start_timeout_s)",
+                    self.url,
+                    last,
+                    waited,
+                    self.config.start_timeout_s,
                 )
             await asyncio.sleep(HEALTH_POLL_S)
         await self._post("/update_weight_version", {"new_version": str(self._version)})
