@@ -93,3 +93,17 @@ def read_status(out: Path) -> RunStatus | None:
         return msgspec.json.decode((out / STATUS).read_bytes(), type=RunStatus)
     except (OSError, msgspec.DecodeError):
         return None
+
+
+class OwnedRun:
+    """A run's hold on its directory: the lock, and `status.json` from start to end."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self._lock = RunLock(out)
+
+    def record(self, state: str, steps: int = 0, error: str = "") -> None:
+        write_status(self.out, RunStatus(state, pid=os.getpid(), steps=steps, error=error[:1000]))
+
+    def release(self) -> None:
+        self._lock.release()

@@ -12,7 +12,7 @@ controller, which knows every component; this module owns no run state itself.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -201,6 +201,19 @@ class Checkpointer:
         self.last, self.last_at, self.last_step = path, self.clock(), state.step
         log.info("checkpoint %s written in %.1f s", path, self.clock() - began)
         return path
+
+    async def after_error(self, steps_done: int, in_step: bool, save: Callable[[int], Awaitable[Path]]) -> None:
+        """An error ends the run: `save` the steps trained since the last checkpoint, if the
+        trainer is between steps (inside a step or its weight publish, its weights are not known
+        to match a step count, and nothing is written)."""
+        if not self.enabled or in_step or steps_done <= self.last_step:
+            return
+        try:
+            saved = await save(steps_done)
+        except Exception as err:  # the run's own error is the one to report
+            log.error("after the error, no checkpoint could be written: %s: %s", type(err).__name__, err)
+            return
+        log.error("the run failed after %d steps; they are saved in %s (--resume continues)", steps_done, saved)
 
     async def restore(self, checkpoint: Path, state: RunState) -> None:
         """Load the trainer's tensors and state from `checkpoint`."""

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import msgspec
 
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState, rng_state, set_rng_state
@@ -26,6 +22,7 @@ from rollflow.config import Config, check_training, dump_config
 from rollflow.controller.accounting import Accounting
 from rollflow.controller.persistence import Checkpointer, Outputs, prepare_output_dir
 from rollflow.controller.producer import Producer
+from rollflow.controller.result import RunResult
 from rollflow.controller.setup import Components, Given, build
 from rollflow.controller.stall import StallWatch
 from rollflow.controller.supervisor import Supervisor
@@ -35,35 +32,12 @@ from rollflow.controller.weights import AdapterWeights, FullWeights, WeightPubli
 from rollflow.engine import ManagedEngine
 from rollflow.engine.factory import check_engines
 from rollflow.envs import EnvFactory, load_environment
-from rollflow.errors import TrainingError
 from rollflow.evaluate import EvalReport, evaluate_held_out, sampling_spec
-from rollflow.rundir import RunLock, RunStatus, write_status
+from rollflow.rundir import OwnedRun
 from rollflow.scoring import RewardFunc, Scorer, make_rewards, make_scorer
 from rollflow.trace import Trace
 from rollflow.trainer import TrainerBackend
 from rollflow.weight_sync import WeightTransport
-
-log = logging.getLogger(__name__)
-
-
-class RunResult(msgspec.Struct):
-    """What `train` returns: per-step metrics, prompt accounting and held-out evaluation."""
-
-    steps: int
-    wall_s: float
-    metrics: list[dict[str, Any]]
-    trained_prompts: int
-    dropped: dict[str, int]
-    eval_before: EvalReport | None = None
-    eval_after: EvalReport | None = None
-    engine_busy_s: float = 0.0
-    """Wall time with at least one group generating."""
-    first_step: int = 0
-    """The step this run started at (> 0 when resumed from a checkpoint)."""
-    stopped: bool = False
-    """Stopped early by `request_stop`; the checkpoint holds the work in progress."""
-    checkpoint: str | None = None
-    """The last checkpoint written."""
 
 
 class Controller:
@@ -170,22 +144,20 @@ class Controller:
     # ---- the run -----------------------------------------------------------------------------
 
     async def run(self) -> RunResult:
-        lock = RunLock(self.output_dir)  # before anything in the directory is read or cut back
+        owned = OwnedRun(self.output_dir)  # before anything in the directory is read or cut back
         try:
             resumed = prepare_output_dir(self.output_dir, self.config, resume=self.resume)
-            write_status(self.output_dir, RunStatus("running", pid=os.getpid()))
+            owned.record("running")
             try:
                 result = await self._run(resumed)
             except BaseException as err:
                 steps = self.training.steps_done if hasattr(self, "training") else 0
-                error = f"{type(err).__name__}: {err}"[:1000]
-                write_status(self.output_dir, RunStatus("failed", pid=os.getpid(), steps=steps, error=error))
+                owned.record("failed", steps, f"{type(err).__name__}: {err}")
                 raise
-            state = "stopped" if result.stopped else "finished"
-            write_status(self.output_dir, RunStatus(state, pid=os.getpid(), steps=result.first_step + result.steps))
+            owned.record("stopped" if result.stopped else "finished", result.first_step + result.steps)
             return result
         finally:
-            lock.release()
+            owned.release()
 
     async def _run(self, resumed: tuple[Path, RunState] | None) -> RunResult:
         cfg = self.config
@@ -214,22 +186,19 @@ class Controller:
                 frozen = True
             try:
                 await self._drive()
-            except Exception:
-                await self._save_after_error()
+            except Exception:  # between steps, the steps trained since the last checkpoint are kept
+                training = self.training
+                await self.checkpointer.after_error(training.steps_done, training.in_step, self._final_checkpoint)
                 raise
             if not self._stop.is_set() and self.checkpointer.enabled:
-                self._settle()  # the final checkpoint holds no work in progress
-                await self._checkpoint(cfg.run.max_steps, keep_pending=False)
+                await self._final_checkpoint(cfg.run.max_steps)
             if cfg.run.eval_prompts and not self._stop.is_set():
                 eval_after = await self._evaluate()
         finally:
             if frozen:
                 gc.unfreeze()
             await self._teardown()
-        if self.stall.message is not None:
-            saved = self.checkpointer.last
-            where = f"; the run so far is in {saved} (--resume continues it)" if saved else ""
-            raise TrainingError(self.stall.message + where)
+        self.stall.raise_if_fired(self.checkpointer.last)
         training = self.training
         return RunResult(
             steps=len(training.metrics),
@@ -243,23 +212,6 @@ class Controller:
             first_step=training.first_step,
             stopped=self._stop.is_set(),
             checkpoint=str(self.checkpointer.last) if self.checkpointer.last else None,
-        )
-
-    async def _save_after_error(self) -> None:
-        """An error ends the run: checkpoint the steps trained since the last checkpoint, if the
-        trainer is between steps (inside a step, or its weight publish, its state is not known
-        to match a step count, and nothing is written)."""
-        training, checkpointer = self.training, self.checkpointer
-        if not checkpointer.enabled or training.in_step or training.steps_done <= checkpointer.last_step:
-            return
-        try:
-            self._settle()
-            saved = await self._checkpoint(training.steps_done, keep_pending=False)
-        except Exception as err:  # the run's own error is the one to report
-            log.error("after the error, no checkpoint could be written: %s: %s", type(err).__name__, err)
-            return
-        log.error(
-            "the run failed after %d steps; they are saved in %s (--resume continues)", training.steps_done, saved
         )
 
     async def _drive(self) -> None:
@@ -391,6 +343,10 @@ class Controller:
             ledger_bytes=self.outputs.ledger.position(),
             metrics_bytes=self.outputs.metrics.position(),
         )
+
+    async def _final_checkpoint(self, step: int) -> Path:
+        self._settle()  # the final checkpoint holds no work in progress
+        return await self._checkpoint(step, keep_pending=False)
 
     async def _checkpoint(self, step: int, *, keep_pending: bool) -> Path:
         """A checkpoint after `step` steps. `keep_pending`: the run is stopping; its buffered and

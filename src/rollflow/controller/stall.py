@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
+
+from rollflow.errors import TrainingError
 
 TOP_REASONS = 3
 REASON_CHARS = 160
@@ -62,6 +65,12 @@ class StallWatch:
         """A step was taken."""
         self.since = self.clock()
         self.reasons.clear()
+
+    def raise_if_fired(self, saved: Path | None) -> None:
+        """The run's error once the rule has fired (`saved`: the checkpoint written since)."""
+        if self.message is not None:
+            where = f"; the run so far is in {saved} (--resume continues it)" if saved else ""
+            raise TrainingError(self.message + where)
 
     def _fire(self, what: str) -> None:
         top = "; ".join(f"{reason} ×{n}" for reason, n in self.reasons.most_common(TOP_REASONS))
