@@ -46,6 +46,7 @@ def bench(session: nox.Session) -> None:
         "bench/weight_sync.py",
         "bench/overlap.py",
         "bench/controller_overhead.py",
+        "bench/loop_lag.py",
         "bench/simulator_validation.py",
     ):
         session.run(PY, script)

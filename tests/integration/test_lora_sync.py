@@ -83,3 +83,29 @@ async def test_adapter_sync_matches_peft_and_in_flight_requests_finish_on_their_
     assert (await engine.generate(PROMPT, spec, "lora-v2")).token_ids == want_v2
     await engine.collect_adapters()
     assert engine.loaded_adapters == [v2]  # unused adapters are unloaded
+
+
+async def test_a_lora_runs_checkpoint_saves_each_in_flight_token_with_its_adapter_version(tmp_path):
+    """Checkpoints taken while samples are mid-generation in a LoRA run: the saved tokens carry
+    the adapter version that generated them (vLLM's own weight label stays 0 in a LoRA run)."""
+    from rollflow.checkpoint import read_state
+    from rollflow.config import load_config
+    from rollflow.controller import train
+
+    config = load_config(preset="tiny", overrides=[
+        "trainer.lora.enabled=true", "run.max_lag=1", "run.max_steps=4", "run.groups_per_step=2",
+        "sampling.max_tokens=96", "sampling.ignore_eos=true", "checkpoint.every=1", "checkpoint.keep_last=10",
+    ])
+    await train(config, tmp_path)
+    saved = []  # (steps done at the checkpoint, versions of a partial sample's tokens)
+    for folder in sorted((tmp_path / "checkpoints").glob("step-*")):
+        state = read_state(folder)
+        if state.step < 2:
+            continue  # after step 1, samples may still run on the base model (version 0)
+        partial = [s for g in state.in_flight for s in g.samples if s.done is None and s.tokens]
+        saved += [(state.step, s.versions) for s in partial]
+    assert saved, "no checkpoint after step 2 caught a sample mid-generation"
+    for steps, versions in saved:
+        # In flight after `steps` steps, a sample is used at step >= steps, so with max_lag 1 it
+        # started on adapter version >= steps - 1, and keeps that adapter to its end.
+        assert len(set(versions)) == 1 and versions[0] >= steps - 1, (steps, versions)
