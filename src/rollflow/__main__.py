@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import logging
 import os
 import signal
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rollflow.errors import RollflowError, UserInputError
@@ -191,6 +195,7 @@ async def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, preset=args.preset, overrides=overrides)
     controller = Controller(config, args.output_dir, resume=args.resume)
     loop = asyncio.get_running_loop()
+    loop.set_default_executor(_NoWaitExecutor(thread_name_prefix="rollflow-calls"))
     main_task = asyncio.current_task()
     assert main_task is not None
 
@@ -293,5 +298,36 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+class _NoWaitExecutor(ThreadPoolExecutor):
+    """The command line's default executor: when the run ends it does not wait for a call that
+    has not returned (a user's tool that hangs past its timeout)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=True)
+
+
+USER_CALL_THREADS = ("rollflow-reward", "rollflow-calls")
+"""Threads that run users' functions (sync rewards, tools)."""
+
+
+def _exit(code: int) -> None:
+    """Exit with `code`, now: a user's function still running on a thread (a reward or tool call
+    that hung past its timeout) must not keep the process alive after the run has ended."""
+    deadline = time.monotonic() + 1.0  # idle pool threads end within moments of their shutdown
+    stuck = []
+    for thread in threading.enumerate():
+        if thread.name.startswith(USER_CALL_THREADS):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                stuck.append(thread.name)
+    if not stuck:
+        sys.exit(code)
+    print(f"not waiting for {len(stuck)} user call(s) that never returned", file=sys.stderr)
+    atexit._run_exitfuncs()  # what a normal exit runs (removing the run's sockets, ...)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

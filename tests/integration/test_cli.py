@@ -129,3 +129,22 @@ def test_over_long_prompts_are_dropped_and_a_second_run_on_the_directory_is_refu
     assert left_behind(temp) == [], "the run left sockets or files of its own in its temp directory"
     audit = run("ledger", str(out))
     assert audit.returncode == 0 and f"run: finished ({steps} steps)" in audit.stdout, audit.stdout + audit.stderr
+
+
+def test_a_reward_that_hangs_does_not_keep_the_process_alive(tmp_path):
+    """Every call of a sync reward hangs: each times out (unscorable), the stop rule ends the run,
+    and the process exits at once, not when the hung calls return."""
+    (tmp_path / "stuck_reward.py").write_text(
+        "import time\n\ndef stuck(prompts, completions, **kwargs):\n    time.sleep(600)\n"
+    )
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "rollflow", "train", "--preset", "tiny", "--output-dir", str(tmp_path / "run"),
+         "--set", 'scoring.rewards=[{name = "stuck", function = "stuck_reward:stuck", timeout_s = 1}]'],
+        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    elapsed = time.monotonic() - began
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "reward stuck: timed out after 1 s" in done.stderr, done.stderr[-2000:]
+    assert elapsed < 150, f"{elapsed:.0f} s"
