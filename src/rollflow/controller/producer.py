@@ -73,8 +73,8 @@ class Producer:
         spec: SamplingSpec,
         env: EnvFactory | None = None,
         chat: ChatFormat | None = None,
+        stall: StallWatch,
         teacher: Any = None,
-        stall: StallWatch | None = None,
     ) -> None:
         self.config = config
         self.sampler = sampler
@@ -126,8 +126,7 @@ class Producer:
             self.consumed.append(prompt.id)
             if (reason := self._unusable(prompt)) is not None:  # dropped before it is sent
                 self.accounting.drop(prompt.id, reason)
-                if self.stall is not None:
-                    self.stall.failed(reason)
+                self.stall.failed(reason)
                 await self.admission.release(group_size)
                 await asyncio.sleep(0)  # nothing above waits: let the rest of the run see the drop
                 continue
@@ -172,8 +171,7 @@ class Producer:
     def _fail(self, entry: InFlight, reason: str) -> None:
         """The group is dropped as failed: nothing of it can be trained (the stop rule counts it)."""
         self._drop(entry, reason)
-        if self.stall is not None:
-            self.stall.failed(reason)
+        self.stall.failed(reason)
 
     def _generated(self, entry: InFlight) -> None:
         entry.generating = False
@@ -314,8 +312,7 @@ class Producer:
             credit = [None if t is None else [cfg.scoring.process_coef * a for a in t] for t in per_token]
         await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages, token_advantages=credit))
         entry.settled = True
-        if self.stall is not None:
-            self.stall.buffered()
+        self.stall.buffered()
 
     async def _teacher_logprobs(
         self, samples: list[Sample], results: list[Scored]

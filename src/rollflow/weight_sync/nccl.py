@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rollflow.weight_sync import Run, in_thread
 from rollflow.weight_sync.buckets import BucketPlan, _dtype
 
 DEFAULT_NUM_BUFFERS = 2
@@ -128,14 +129,14 @@ class NcclTransport:
             NCCLTrainerWeightTransferEngine.trainer_init, info, client=client, source=empty
         )
 
-    async def stage(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]], run: Any = None) -> int:
+    async def stage(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]], run: Run = in_thread) -> int:
         # No copy: the GPU tensors are sent straight from the trainer, so `load` must finish
         # before the trainer changes them (snapshots = False keeps the controller waiting).
         def gather() -> int:  # gathering shards: off the loop, where `run` says
             self._staged = list(tensors)
             return plan.total_bytes
 
-        return await (run or asyncio.to_thread)(gather)
+        return await run(gather)
 
     async def load(self, engine: Any, plan: BucketPlan) -> None:
         if self._trainer is None:
