@@ -139,7 +139,10 @@ async def test_resume_mode_through_the_server_continues_from_the_prefix(remote, 
     from rollflow.records import Prompt
     from rollflow.rollout import rollout
 
-    spec = SamplingSpec(temperature=0.0, max_tokens=64, ignore_eos=True)
+    # Long enough that the update lands mid-stream on a machine twice as slow (64 tokens finished
+    # on the server before the abort reached it on one).
+    n = 320
+    spec = SamplingSpec(temperature=0.0, max_tokens=n, ignore_eos=True)
     version = remote.version
     task = asyncio.create_task(
         rollout(remote, Prompt(id="p", token_ids=PROMPT), spec, group_id="mid-resume", index=0, partial="resume")
@@ -151,11 +154,11 @@ async def test_resume_mode_through_the_server_continues_from_the_prefix(remote, 
     await remote.update_weights(model_b.state_dict(), partial="resume")  # the server aborts in-flight requests
     sample = await task
     tokens, versions = sample.completion_token_ids, sample.versions
-    assert len(tokens) == 64 and sample.interruptions == 1
+    assert len(tokens) == n and sample.interruptions == 1
     k = versions.index(version + 1)
-    assert 0 < k < 64 and versions == [version] * k + [version + 1] * (64 - k)
+    assert 0 < k < n and versions == [version] * k + [version + 1] * (n - k)
     assert tokens[:k] == model_a.greedy(PROMPT, k)[0]
-    want_b, logp_b = model_b.greedy(PROMPT + tokens[:k], 64 - k)
+    want_b, logp_b = model_b.greedy(PROMPT + tokens[:k], n - k)
     assert tokens[k:] == want_b and sample.logprobs[k:] == pytest.approx(logp_b, abs=1e-4)
 
 
