@@ -1,7 +1,8 @@
 """`python -m rollflow <command>`: the command line.
 
 Commands: `train` (asynchronous GRPO training; `--resume` continues from the latest checkpoint),
-`generate` (sample and score completions from the configured model and task), `plot` and
+`generate` (sample and score completions from the configured model and task), `eval` (held-out
+accuracy and pass@k as JSON), `export` (a checkpoint as a Hugging Face folder), `plot` and
 `report` (charts and a summary of finished runs), `ledger` (audit a run's prompt accounting),
 `simulate` (predicted throughput and staleness for a GPU setup).
 User errors (config, data, model path, arguments) print one line naming what is wrong and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import json
 import logging
 import os
 import signal
@@ -105,10 +107,58 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--print-command", action="store_true", help="print the vLLM command line and exit")
     gen = commands.add_parser("generate", help="sample completions for task prompts and score them")
-    _add_config_args(gen)
+    _add_model_args(gen)
     gen.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
     gen.add_argument("--greedy", action="store_true", help="greedy decoding, one sample per prompt")
+    ev = commands.add_parser("eval", help="greedy accuracy (and pass@k) of a model on held-out task prompts, as JSON")
+    _add_model_args(ev)
+    ev.add_argument("--prompts", type=int, default=64, help="number of held-out prompts (default 64)")
+    ev.add_argument("--pass-k", type=int, default=0, metavar="K", help="also sample K per prompt for pass@K")
+    ev.add_argument("--out", type=Path, default=None, help="write the JSON here too (default: print only)")
+    export = commands.add_parser(
+        "export", help="write a run's trained policy from a checkpoint as a Hugging Face folder"
+    )
+    export.add_argument("run", type=Path, metavar="DIR", help="output directory of a training run")
+    export.add_argument("--step", type=int, default=None, help="the checkpoint after this step (default: latest)")
+    export.add_argument("--out", type=Path, default=None, help="where the folder goes (default DIR/export/step-N)")
+    export.add_argument("--merged", action="store_true", help="LoRA runs: the base model with the adapter merged in")
     return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    _add_config_args(parser)
+    parser.add_argument("--model", default=None, help="the model to use (sets model.path), e.g. runs/x/final")
+    parser.add_argument(
+        "--run", type=Path, default=None, metavar="DIR", help="a training run: its config and its final/ model"
+    )
+
+
+def _model_config(args: argparse.Namespace):  # -> Config
+    """The config for `generate` / `eval`: a run's (`--run`) or the given one, with `--model`."""
+    from rollflow.config import load_config
+    from rollflow.export import FINAL
+
+    config_file, overrides = args.config, list(args.overrides)
+    model = args.model
+    if args.run is not None:
+        if config_file is not None or args.preset:
+            raise UserInputError("--run: takes the run's own config.toml; give no CONFIG or --preset with it")
+        config_file = args.run / "config.toml"
+        if not config_file.is_file():
+            raise UserInputError(f"--run {args.run}: not a rollflow run directory (no config.toml)")
+        final = args.run / FINAL
+        if model is None:
+            if (final / "adapter_config.json").is_file():
+                raise UserInputError(
+                    f"--run {args.run}: its final/ is a LoRA adapter; write a merged model with "
+                    f"`python -m rollflow export {args.run} --merged` and pass it as --model"
+                )
+            if not (final / "config.json").is_file():
+                raise UserInputError(f"--run {args.run}: no trained model in {final} (the run did not finish)")
+            model = str(final)
+    if model is not None:
+        overrides.append(f"model.path={json.dumps(str(model))}")
+    return load_config(config_file, preset=args.preset, overrides=overrides)
 
 
 def _serve_engine(args: argparse.Namespace) -> int:
@@ -131,45 +181,55 @@ def _serve_engine(args: argparse.Namespace) -> int:
     os.execve(command[0], command, serve_environment(config.engine))
 
 
+async def _started_engine(config, console):  # -> (VLLMEngine, tokenizer), started
+    from rollflow.engine.vllm import VLLMEngine
+    from rollflow.models import load_tokenizer, resolve_model
+
+    with console.status(f"preparing model {config.model.path}"):
+        model_path = resolve_model(config.model.path)
+        tokenizer = load_tokenizer(model_path)
+    engine = VLLMEngine(model_path, config.engine, dtype=config.model.dtype)
+    with console.status("starting vLLM engine (20-40 s on CPU)"):
+        await engine.start()
+    return engine, tokenizer
+
+
+def _counting(status, what: str, total: int):  # -> Callable[[Sample], None]
+    done = 0
+    status.update(f"{what} 0/{total} samples")
+
+    def progress(_sample: object) -> None:
+        nonlocal done
+        done += 1
+        status.update(f"{what} {done}/{total} samples")
+
+    return progress
+
+
 async def _generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rollflow.config import load_config
-    from rollflow.engine.vllm import VLLMEngine
     from rollflow.evaluate import evaluate, sampling_spec
-    from rollflow.models import chat_encoder, load_tokenizer, resolve_model
+    from rollflow.models import chat_encoder
     from rollflow.sampler import Sampler
 
     if args.prompts <= 0:
         raise UserInputError(f"--prompts: expected a positive number, got {args.prompts}")
     console = Console(stderr=True)
-    config = load_config(args.config, preset=args.preset, overrides=args.overrides)
-    with console.status(f"preparing model {config.model.path}"):
-        model_path = resolve_model(config.model.path)
-        tokenizer = load_tokenizer(model_path)
+    config = _model_config(args)
+    group = 1 if args.greedy else config.rollout.group_size
+    engine, tokenizer = await _started_engine(config, console)
+    try:
         sampler = Sampler(config.data, chat_encoder(tokenizer))
         prompts = [sampler.next() for _ in range(args.prompts)]
-    group = 1 if args.greedy else config.rollout.group_size
-    engine = VLLMEngine(model_path, config.engine, dtype=config.model.dtype)
-    with console.status("starting vLLM engine (20-40 s on CPU)"):
-        await engine.start()
-    try:
-        done = 0
-        total = len(prompts) * group
-        with console.status(f"generating 0/{total} samples") as status:
-
-            def progress(_sample: object) -> None:
-                nonlocal done
-                done += 1
-                status.update(f"generating {done}/{total} samples")
-
+        with console.status("generating") as status:
             report = await evaluate(
                 engine,
                 prompts,
                 sampling_spec(config, greedy=args.greedy),
                 samples_per_prompt=group,
                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                on_sample=progress,
+                on_sample=_counting(status, "generating", len(prompts) * group),
             )
     finally:
         await engine.aclose()
@@ -180,6 +240,52 @@ async def _generate(args: argparse.Namespace) -> int:
         f"accuracy={report.accuracy:.3f} pass@{group}={report.pass_at_group:.3f} "
         f"tokens={report.tokens} wall_s={report.wall_s:.1f} tokens_per_s={report.tokens_per_s:.0f}"
     )
+    return 0
+
+
+async def _eval(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from rollflow.evaluate import evaluate_held_out
+    from rollflow.scoring import make_scorer
+
+    if args.prompts <= 0:
+        raise UserInputError(f"--prompts: expected a positive number, got {args.prompts}")
+    if args.pass_k < 0:
+        raise UserInputError(f"--pass-k: expected 0 or more samples per prompt, got {args.pass_k}")
+    console = Console(stderr=True)
+    config = _model_config(args)
+    engine, tokenizer = await _started_engine(config, console)
+    try:
+        with console.status("evaluating") as status:
+            held_out = await evaluate_held_out(
+                engine,
+                config,
+                tokenizer,
+                make_scorer(config.run.reward),
+                prompts=args.prompts,
+                pass_k=args.pass_k,
+                on_sample=_counting(status, "evaluating", args.prompts * (1 + args.pass_k)),
+            )
+    finally:
+        await engine.aclose()
+    report = {"model": config.model.path, "task": config.data.task, "reward": config.run.reward}
+    report |= {"eval_seed": config.run.eval_seed} | held_out.as_dict()
+    text = json.dumps(report)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from rollflow.export import export_checkpoint
+
+    if args.step is not None and args.step < 0:
+        raise UserInputError(f"--step: expected a step count of 0 or more, got {args.step}")
+    out = export_checkpoint(args.run, step=args.step, out=args.out, merged=args.merged)
+    print(out)
     return 0
 
 
@@ -228,6 +334,8 @@ async def _train(args: argparse.Namespace) -> int:
         f"reward_last={last['reward_mean']:.3f} trained_prompts={result.trained_prompts} "
         f"dropped={sum(result.dropped.values())} output_dir={args.output_dir}"
     )
+    if result.final_model:
+        print(f"trained model: {result.final_model} (python -m rollflow generate --model {result.final_model})")
     if result.eval_before is not None and result.eval_after is not None:
         print(
             f"held-out accuracy ({result.eval_before.prompts} prompts, greedy): "
@@ -279,8 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve-engine":
             return _serve_engine(args)
         _use_uvloop()
+        if args.command == "export":
+            return _export(args)
         if args.command == "generate":
             return asyncio.run(_generate(args))
+        if args.command == "eval":
+            return asyncio.run(_eval(args))
         if args.command == "train":
             from rollflow.ranks import main_or_follow
 

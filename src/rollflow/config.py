@@ -286,6 +286,15 @@ class RunConfig(_Section, frozen=True):
     eval_prompts: NonNegInt = 0
     """Held-out prompts scored greedily before the first and after the last step (0 = skip)."""
 
+    eval_every: NonNegInt = 0
+    """Also score the held-out prompts every this many steps, on the live engine once it serves
+    that step's weights (`eval_accuracy` in that step's metrics); training waits only for the
+    evaluation itself (0 = only before and after)."""
+
+    eval_pass_k: NonNegInt = 0
+    """With `eval_every`: also sample this many completions per held-out prompt (the sampling
+    settings) and report `eval_pass_at_k` (0 = greedy accuracy only)."""
+
     eval_seed: int = 1_000_003
     """Seed of the held-out prompts (different from `data.seed`)."""
 
@@ -399,6 +408,11 @@ class CheckpointConfig(_Section, frozen=True):
 
     keep_last: PosInt = 2
     """Checkpoints kept; older ones are deleted once a newer one is complete."""
+
+    final_model: bool = True
+    """At the end of a run that finishes, write the trained policy to `final/` in the output
+    directory as a Hugging Face model folder (a LoRA run: its peft adapter folder); `python -m
+    rollflow export` writes one from any checkpoint."""
 
     max_nonfinite_steps: PosInt = 3
     """Consecutive steps with a non-finite loss or gradient that stop the run (each one is
@@ -600,6 +614,10 @@ def training_problems(config: Config) -> list[str]:
             f"engine.max_loras: {engine.max_loras} adapters cannot hold every version still in use with "
             f"run.max_lag = {config.run.max_lag} (at least max_lag + 2 = {config.run.max_lag + 2}; 0 picks that)"
         )
+    if config.run.eval_every and not config.run.eval_prompts:
+        problems.append("run.eval_every: evaluating during training needs held-out prompts (run.eval_prompts > 0)")
+    if config.run.eval_pass_k and not config.run.eval_every:
+        problems.append("run.eval_pass_k: pass@k is measured by the evaluations during training (run.eval_every > 0)")
     if config.run.weight_transport == "nccl" and engine.weight_transfer != "nccl":
         problems.append('run.weight_transport: "nccl" needs the engine started with engine.weight_transfer = "nccl"')
     return problems

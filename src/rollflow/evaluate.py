@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -103,19 +103,63 @@ async def evaluate(
     )
 
 
-async def evaluate_held_out(engine: Engine, config: Config, tokenizer: Any, score: ScoreFn) -> EvalReport:
-    """Greedy accuracy on `run.eval_prompts` held-out prompts (drawn with `run.eval_seed`, so the
-    same before and after training); `score(prompt, text)` returns (reward, ...)."""
+def held_out_prompts(config: Config, tokenizer: Any, n: int) -> list[Prompt]:
+    """`n` prompts drawn with `run.eval_seed` (the same ones at every evaluation of a run)."""
     from rollflow.models import chat_encoder
     from rollflow.sampler import Sampler
 
     held_out = Sampler(msgspec.structs.replace(config.data, seed=config.run.eval_seed), chat_encoder(tokenizer))
-    prompts = [held_out.next() for _ in range(config.run.eval_prompts)]
-    return await evaluate(
-        engine,
-        prompts,
-        sampling_spec(config, greedy=True),
-        samples_per_prompt=1,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        score=lambda p, text: score(p, text)[0],
-    )
+    return [held_out.next() for _ in range(n)]
+
+
+class HeldOut(msgspec.Struct, frozen=True, kw_only=True):
+    """One evaluation on the held-out prompts."""
+
+    greedy: EvalReport
+    """Greedy decoding, one completion per prompt: `greedy.accuracy` is the held-out accuracy."""
+    sampled: EvalReport | None = None
+    """k completions per prompt with the sampling settings (pass@k), when asked."""
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompts": self.greedy.prompts,
+            "accuracy": self.greedy.accuracy,
+            "tokens": self.greedy.tokens,
+            "wall_s": self.greedy.wall_s,
+        }
+        if self.sampled is not None:
+            k = self.sampled.samples // max(self.sampled.prompts, 1)
+            out |= {"k": k, "pass_at_k": self.sampled.pass_at_group, "sample_accuracy": self.sampled.accuracy}
+            out["tokens"] += self.sampled.tokens
+            out["wall_s"] += self.sampled.wall_s
+        return out
+
+
+async def evaluate_held_out(
+    engine: Engine,
+    config: Config,
+    tokenizer: Any,
+    score: ScoreFn,
+    *,
+    prompts: int | None = None,
+    pass_k: int = 0,
+    on_sample: Callable[[Sample], None] | None = None,
+) -> HeldOut:
+    """Greedy accuracy on `prompts` (default `run.eval_prompts`) held-out prompts, and pass@k
+    with `pass_k` samples per prompt when > 0; `score(prompt, text)` returns (reward, ...)."""
+    chosen = held_out_prompts(config, tokenizer, config.run.eval_prompts if prompts is None else prompts)
+
+    def run(spec: SamplingSpec, k: int) -> Awaitable[EvalReport]:
+        return evaluate(
+            engine,
+            chosen,
+            spec,
+            samples_per_prompt=k,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            score=lambda p, text: score(p, text)[0],
+            on_sample=on_sample,
+        )
+
+    greedy = await run(sampling_spec(config, greedy=True), 1)
+    sampled = await run(sampling_spec(config), pass_k) if pass_k > 0 else None
+    return HeldOut(greedy=greedy, sampled=sampled)

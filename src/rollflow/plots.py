@@ -183,6 +183,21 @@ def _plot_one(plt: Any, run: dict[str, Any], target: Path) -> list[Path]:
     ax.set_title("reward per step", fontsize=10, loc="left")
     save(fig, "reward.png")
 
+    evaluated = [m for m in metrics if "eval_accuracy" in m]
+    if evaluated:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        x = [m["step"] + 1 for m in evaluated]
+        ax.plot(x, [m["eval_accuracy"] for m in evaluated], marker="o", ms=3, label="greedy accuracy")
+        if any("eval_pass_at_k" in m for m in evaluated):
+            at_k = [m for m in evaluated if "eval_pass_at_k" in m]
+            ax.plot([m["step"] + 1 for m in at_k], [m["eval_pass_at_k"] for m in at_k], marker="s", ms=3, label="pass@k")
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out score")
+        ax.set_ylim(0, 1.05)
+        ax.legend()
+        ax.set_title("held-out evaluation during training", fontsize=10, loc="left")
+        save(fig, "eval.png")
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     hist = lag_histogram(metrics)
     total = sum(hist.values()) or 1
@@ -258,5 +273,9 @@ def report(directory: str | Path) -> str:
         ),
     ]
     rows += [(f"  dropped: {reason}", str(count)) for reason, count in sorted(dropped.items())]
+    evaluated = [m for m in metrics if "eval_accuracy" in m]
+    if evaluated:
+        curve = "  ".join(f"{m['step'] + 1}: {m['eval_accuracy']:.3f}" for m in evaluated)
+        rows.append(("held-out accuracy", f"after step {curve}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

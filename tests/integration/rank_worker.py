@@ -38,6 +38,9 @@ def main() -> None:
     metrics = trainer.step(received.batch)
     if sys.argv[4:] == ["checkpoint"]:
         rest = trainer.save(out_dir / "checkpoint")  # each rank writes its shard
+        saved = dict(trainer.full_weights())
+        if rank == 0:
+            torch.save(saved, out_dir / "saved.pt")
         restored = Trainer(tiny_model_path(0), config)
         restored.load(out_dir / "checkpoint", rest)
         trainer.step(received.batch)

@@ -82,3 +82,11 @@ def test_fsdp2_ranks_save_and_restore_a_checkpoint(tmp_path, make_batch):
     result = json.loads((tmp_path / "checkpoint.json").read_text())
     assert result == {"max_diff": 0.0, "steps": 2}
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # The shards read back in one process (what `rollflow export` does) are the weights saved.
+    from rollflow.config import Config
+    from rollflow.export import load_policy
+
+    lm = load_policy(tmp_path / "checkpoint", tiny_model_path(0), Config(trainer=config))
+    saved = torch.load(tmp_path / "saved.pt")
+    assert lm.state_dict().keys() == saved.keys()
+    assert all(torch.equal(lm.state_dict()[k], saved[k]) for k in saved)

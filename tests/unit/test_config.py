@@ -108,6 +108,8 @@ def test_the_cli_refuses_greedy_training_with_exit_code_2(tmp_path, capsys, monk
         (["loss.is_mode=mis", "loss.is_low=2.0", "loss.is_high=2.0"], r"loss.is_low: the kept ratio range \[2.0"),
         (["trainer.lora.enabled=true", "engine.max_loras=2", "run.max_lag=1"], "engine.max_loras: 2 adapters"),
         (["run.weight_transport=nccl"], 'run.weight_transport: "nccl" needs'),
+        (["run.eval_every=5"], r"run.eval_every: evaluating during training needs held-out prompts"),
+        (["run.eval_prompts=8", "run.eval_pass_k=4"], r"run.eval_pass_k: pass@k is measured by the evaluations"),
     ],
 )
 def test_combinations_that_cannot_work_are_refused_for_training_naming_the_keys(tmp_path, overrides, words):

@@ -6,6 +6,7 @@ import asyncio
 import io
 import itertools
 import json
+import re
 import time
 
 import pytest
@@ -214,3 +215,15 @@ async def test_fake_run_trace_plot_and_report(tmp_path, run_fake):
     text = report(tmp_path / "run")
     assert "steps               4 (max_lag 1)" in text or "4 (max_lag 1)" in text
     assert f"{result.trained_prompts} trained" in text and "0 duplicates" in text
+
+
+async def test_evaluations_during_training_get_a_chart_and_a_report_line(tmp_path, run_fake):
+    await run_fake(tmp_path / "run", FakeEngine(token_delay=0.001), FakeTrainer(), max_lag=1, max_steps=4)
+    metrics_file = tmp_path / "run" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert not any("eval_accuracy" in r for r in rows)  # no evaluation configured, no key
+    rows[1] |= {"eval_accuracy": 0.25, "eval_pass_at_k": 0.5, "eval_s": 0.1}
+    rows[3] |= {"eval_accuracy": 0.75, "eval_s": 0.1}
+    metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "eval.png" in {p.name for p in plot([tmp_path / "run"])}
+    assert re.search(r"held-out accuracy +after step 2: 0.250  4: 0.750", report(tmp_path / "run"))

@@ -202,6 +202,25 @@ class Checkpointer:
         log.info("checkpoint %s written in %.1f s", path, self.clock() - began)
         return path
 
+    async def export_final(self, base: Path, *, lora: bool) -> Path:
+        """Write the trained policy to `final/` as a Hugging Face folder on the base model
+        `base` (a LoRA run: its peft adapter folder), on the trainer thread (with several ranks the
+        gathers are collectives; rank 0 writes)."""
+        from rollflow.export import FINAL, write_adapter, write_model
+
+        began = self.clock()
+        backend, out = self.runner.backend, self.output_dir / FINAL
+
+        def write() -> Path:
+            if lora:
+                return write_adapter(out, base, backend.adapter_weights(), backend.adapter_config())
+            return write_model(out, base, dict(backend.full_weights()))
+
+        path = await self.runner.call(write)
+        self.trace.span("export", "trainer", began, self.clock(), path=path.name)
+        log.info("trained policy written to %s in %.1f s", path, self.clock() - began)
+        return path
+
     async def after_error(self, steps_done: int, in_step: bool, save: Callable[[int], Awaitable[Path]]) -> None:
         """An error ends the run: `save` the steps trained since the last checkpoint, if the
         trainer is between steps (inside a step or its weight publish, its weights are not known

@@ -27,3 +27,5 @@ class RunResult(msgspec.Struct):
     """Stopped early by `request_stop`; the checkpoint holds the work in progress."""
     checkpoint: str | None = None
     """The last checkpoint written."""
+    final_model: str | None = None
+    """The trained policy as a Hugging Face folder (`final/`; `checkpoint.final_model`)."""

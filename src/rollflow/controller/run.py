@@ -32,7 +32,7 @@ from rollflow.controller.weights import AdapterWeights, FullWeights, WeightPubli
 from rollflow.engine import ManagedEngine
 from rollflow.engine.factory import check_engines
 from rollflow.envs import EnvFactory, load_environment
-from rollflow.evaluate import EvalReport, evaluate_held_out, sampling_spec
+from rollflow.evaluate import HeldOut, evaluate_held_out, sampling_spec
 from rollflow.rundir import OwnedRun
 from rollflow.scoring import RewardFunc, Scorer, make_rewards, make_scorer
 from rollflow.trace import Trace
@@ -170,7 +170,7 @@ class Controller:
         except BaseException:
             out.close()
             raise
-        eval_before = eval_after = None
+        eval_before = eval_after = final = None
         frozen = False
         try:
             if resumed is not None:
@@ -178,7 +178,7 @@ class Controller:
             await self.engine.start()
             await self.weights.strategy.prepare(self.engine)
             if cfg.run.eval_prompts and resumed is None:
-                eval_before = await self._evaluate()
+                eval_before = (await self._evaluate()).greedy
             if cfg.run.gc_freeze:
                 # No gc.collect() first: a full collection of the startup heap costs a fixed
                 # 0.1-0.3 s; garbage frozen with the rest is collected after the run unfreezes.
@@ -192,8 +192,10 @@ class Controller:
                 raise
             if not self._stop.is_set() and self.checkpointer.enabled:
                 await self._final_checkpoint(cfg.run.max_steps)
+            if not self._stop.is_set() and cfg.checkpoint.final_model and self.parts.policy_base:
+                final = await self.checkpointer.export_final(self.parts.policy_base, lora=cfg.trainer.lora.enabled)
             if cfg.run.eval_prompts and not self._stop.is_set():
-                eval_after = await self._evaluate()
+                eval_after = (await self._evaluate()).greedy
         finally:
             if frozen:
                 gc.unfreeze()
@@ -212,6 +214,7 @@ class Controller:
             first_step=training.first_step,
             stopped=self._stop.is_set(),
             checkpoint=str(self.checkpointer.last) if self.checkpointer.last else None,
+            final_model=str(final) if final else None,
         )
 
     async def _drive(self) -> None:
@@ -301,6 +304,7 @@ class Controller:
             stop=self._stop,
             stall=self.stall,
             on_step=self.on_step,
+            evaluate=lambda: self._evaluate(cfg.run.eval_pass_k),
         )
         self.training.began = self.began
 
@@ -377,10 +381,9 @@ class Controller:
         for group in state.buffer:
             await self.buffer.put(group)
 
-    async def _evaluate(self) -> EvalReport:
-        return await evaluate_held_out(
-            self.engine, self.config, self.parts.tokenizer, make_scorer(self.config.run.reward)
-        )
+    async def _evaluate(self, pass_k: int = 0) -> HeldOut:
+        scorer = make_scorer(self.config.run.reward)
+        return await evaluate_held_out(self.engine, self.config, self.parts.tokenizer, scorer, pass_k=pass_k)
 
 
 async def train(

@@ -52,6 +52,8 @@ class Components:
     engine: ManagedEngine
     engine_factory: Callable[[], ManagedEngine] | None
     transport: WeightTransport
+    policy_base: Path | None = None
+    """The model folder the trainer was built from (None when a trainer was given)."""
 
 
 async def build(config: Config, given: Given, *, multi_turn: bool) -> Components:
@@ -91,6 +93,7 @@ async def build(config: Config, given: Given, *, multi_turn: bool) -> Components
         engine=engine,
         engine_factory=factory,
         transport=given.transport or make_transport(config.run.weight_transport, host=config.run.weight_sync_host),
+        policy_base=model_path if given.trainer is None and given.runner is None else None,
     )
 
 

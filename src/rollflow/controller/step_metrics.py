@@ -119,6 +119,13 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     """Largest event-loop lag since the last step (ms)."""
     wall_s: float
     """Seconds since the run started (continuing across resumes)."""
+    # ---- evaluation during training (every `run.eval_every` steps)
+    eval_accuracy: float | None = None
+    """Greedy accuracy on the held-out prompts with this step's weights."""
+    eval_pass_at_k: float | None = None
+    """Share of held-out prompts with a correct one among `run.eval_pass_k` samples."""
+    eval_s: float | None = None
+    """Time the training loop waited for that evaluation."""
 
     def as_row(self) -> dict[str, Any]:
         """The plain dict sinks receive (absent values left out)."""

@@ -30,6 +30,7 @@ from rollflow.controller.supervisor import Supervisor
 from rollflow.controller.trainer_thread import TrainerRunner
 from rollflow.controller.weights import WeightPublisher
 from rollflow.errors import TrainingError
+from rollflow.evaluate import HeldOut
 from rollflow.metrics import LoopLag, MetricsSink
 from rollflow.records import Group
 from rollflow.trace import Trace
@@ -57,6 +58,7 @@ class TrainingLoop:
         stop: asyncio.Event,
         stall: StallWatch,
         on_step: Callable[[dict], None] | None = None,
+        evaluate: Callable[[], Awaitable[HeldOut]] | None = None,
     ) -> None:
         self.config = config
         self.buffer = buffer
@@ -75,6 +77,8 @@ class TrainingLoop:
         self.stop = stop
         self.stall = stall
         self.on_step = on_step
+        self.evaluate = evaluate
+        """Scores the held-out prompts on the engine (every `run.eval_every` steps)."""
         self.metrics: list[dict[str, Any]] = []
         """Every step's row, as the sinks got it."""
         self.first_step = 0
@@ -117,7 +121,8 @@ class TrainingLoop:
             self.in_step = False
             self.stall.stepped()
             self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
-            self._report(step, (t0, t_batch, t_step, t_sync), before, stats, trained, staged)
+            evaluated = await self._evaluate_if_due(step + 1)
+            self._report(step, (t0, t_batch, t_step, t_sync), before, stats, trained, staged, evaluated)
             await self._stop_if_diverged(step)
             if self.stop.is_set():
                 break
@@ -129,6 +134,21 @@ class TrainingLoop:
             return
         await self.producer.admission.close()  # no step is left to consume new samples
         await self.publisher.drain()  # the last step's weights are in the engine when the run returns
+
+    async def _evaluate_if_due(self, version: int) -> dict[str, float]:
+        """Every `run.eval_every` steps: the held-out scores of `version`'s weights, measured once
+        the engine serves them; generation goes on meanwhile, the next step waits."""
+        every = self.config.run.eval_every
+        if self.evaluate is None or not every or version % every or version >= self.config.run.max_steps:
+            return {}  # (the last step's weights are scored after the run)
+        began = self.clock()
+        await self.publisher.drain()
+        held_out = await self.evaluate()
+        self.trace.span("evaluate", "engine", began, self.clock(), version=version)
+        out = {"eval_accuracy": held_out.greedy.accuracy, "eval_s": self.clock() - began}
+        if held_out.sampled is not None:
+            out["eval_pass_at_k"] = held_out.sampled.pass_at_group
+        return out
 
     async def _take_or_stop(self, n: int) -> list[Group] | None:
         """The next `n` groups, or None if a stop is requested first."""
@@ -171,6 +191,7 @@ class TrainingLoop:
         stats: dict[str, Any],
         trained: dict[str, float],
         staged: int,
+        evaluated: dict[str, float],
     ) -> None:
         """The step's metrics to every sink, `metrics` and `on_step`."""
         t0, t_batch, t_step, t_sync = times
@@ -202,6 +223,7 @@ class TrainingLoop:
                 "engine_restarts": self.supervisor.restarts,
                 **self.loop_lag.take(),
                 "wall_s": t_sync - self.began + self.wall_offset,
+                **evaluated,
             },
             StepMetrics,
         ).as_row()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rollflow.config import LossConfig, TrainerConfig
+from rollflow.config import LoRAConfig, LossConfig, TrainerConfig
 from rollflow.loss import policy_loss
 from rollflow.records import TrainBatch, TrainSample
 from rollflow.trainer.batches import PolicyHead, lr_factor, pad, plan_micro_batches, plan_shards
@@ -67,17 +67,7 @@ class Trainer:
             self.reference = self._shard(PolicyHead(ref, config.loss_chunk))
         torch.manual_seed(config.seed)  # identical adapter initialisation on every rank
         if config.lora.enabled:
-            from peft import LoraConfig, get_peft_model
-
-            lm = get_peft_model(  # type: ignore[assignment]
-                lm,
-                LoraConfig(
-                    r=config.lora.rank,
-                    lora_alpha=config.lora.alpha,
-                    lora_dropout=config.lora.dropout,
-                    target_modules=list(config.lora.target_modules),
-                ),
-            )
+            lm = with_lora(lm, config.lora)  # type: ignore[assignment]
         self.module = self._shard(PolicyHead(lm, config.loss_chunk))
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -320,10 +310,7 @@ class Trainer:
 
     def adapter_config(self) -> dict[str, Any]:
         """The peft adapter config as JSON-ready data (what `adapter_config.json` holds)."""
-        import json
-
-        config: Any = self.lm.peft_config["default"]  # type: ignore[index]
-        return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+        return adapter_config_of(self.lm)
 
     # ---- checkpoints ----------------------------------------------------------------------
 
@@ -367,3 +354,26 @@ class Trainer:
         )
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
+
+
+def with_lora(lm: nn.Module, config: LoRAConfig) -> nn.Module:
+    """`lm` wrapped by peft with fresh LoRA adapters (initialised from torch's current seed)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(  # type: ignore[return-value]
+        lm,  # type: ignore[arg-type]
+        LoraConfig(
+            r=config.rank,
+            lora_alpha=config.alpha,
+            lora_dropout=config.dropout,
+            target_modules=list(config.target_modules),
+        ),
+    )
+
+
+def adapter_config_of(lm: nn.Module) -> dict[str, Any]:
+    """A peft model's adapter config as JSON-ready data (what `adapter_config.json` holds)."""
+    import json
+
+    config: Any = lm.peft_config["default"]  # type: ignore[index]
+    return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
