@@ -362,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    else:
+        from rollflow.engine.quiet import quiet_this_process
+
+        quiet_this_process()  # known-harmless third-party warnings (-v shows them)
     try:
         if args.command == "plot":
             from rollflow.plots import plot

@@ -112,6 +112,13 @@ class ConsoleSink:
             f"  sync {row['weight_sync_s']:.2f}s"
         )
 
+    def waiting(self, what: str) -> None:
+        """Say what the run is waiting for (starting the engine, an evaluation, a checkpoint)."""
+        if self._progress is not None:
+            self._progress.update(self._task, description=f"{what} ...")
+        else:
+            self.console.print(f"{what} ...")
+
     def write(self, row: dict[str, Any]) -> None:
         if self._progress is not None:
             self._progress.update(self._task, completed=row["step"] + 1, description=self.line(row))

@@ -190,7 +190,9 @@ def _plot_one(plt: Any, run: dict[str, Any], target: Path) -> list[Path]:
         ax.plot(x, [m["eval_accuracy"] for m in evaluated], marker="o", ms=3, label="greedy accuracy")
         if any("eval_pass_at_k" in m for m in evaluated):
             at_k = [m for m in evaluated if "eval_pass_at_k" in m]
-            ax.plot([m["step"] + 1 for m in at_k], [m["eval_pass_at_k"] for m in at_k], marker="s", ms=3, label="pass@k")
+            ax.plot(
+                [m["step"] + 1 for m in at_k], [m["eval_pass_at_k"] for m in at_k], marker="s", ms=3, label="pass@k"
+            )
         ax.set_xlabel("step")
         ax.set_ylabel("held-out score")
         ax.set_ylim(0, 1.05)

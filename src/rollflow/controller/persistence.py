@@ -31,7 +31,7 @@ from rollflow.config import Config, load_config
 from rollflow.controller.trainer_thread import TrainerRunner
 from rollflow.errors import ConfigError, UserInputError
 from rollflow.ledger import LEDGER, truncate
-from rollflow.metrics import JsonlSink, LoopLag, MetricsSink, make_sinks
+from rollflow.metrics import ConsoleSink, JsonlSink, LoopLag, MetricsSink, make_sinks
 from rollflow.trace import Trace
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,12 @@ class Outputs:
             mode=observe.wandb_mode,
             config=msgspec.to_builtins(config),
         )
+        self.console = next((s for s in self.sinks if isinstance(s, ConsoleSink)), None)
+
+    def waiting(self, what: str) -> None:
+        """Tell the console what the run waits for."""
+        if self.console is not None:
+            self.console.waiting(what)
 
     def close(self) -> None:
         for sink in self.sinks:

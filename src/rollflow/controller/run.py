@@ -166,6 +166,7 @@ class Controller:
         self.outputs = out = Outputs(self.output_dir, cfg, began)
         self.trace = out.trace
         try:
+            out.waiting(f"loading {cfg.model.path} for the trainer")
             await self.setup()
         except BaseException:
             out.close()
@@ -175,6 +176,7 @@ class Controller:
         try:
             if resumed is not None:
                 await self._restore(*resumed)
+            out.waiting("starting the vLLM engine")
             await self.engine.start()
             await self.weights.strategy.prepare(self.engine)
             if cfg.run.eval_prompts and resumed is None:
@@ -193,6 +195,7 @@ class Controller:
             if not self._stop.is_set() and self.checkpointer.enabled:
                 await self._final_checkpoint(cfg.run.max_steps)
             if not self._stop.is_set() and cfg.checkpoint.final_model and self.parts.policy_base:
+                out.waiting("writing the trained model to final/")
                 final = await self.checkpointer.export_final(self.parts.policy_base, lora=cfg.trainer.lora.enabled)
             if cfg.run.eval_prompts and not self._stop.is_set():
                 eval_after = (await self._evaluate()).greedy
@@ -355,6 +358,7 @@ class Controller:
     async def _checkpoint(self, step: int, *, keep_pending: bool) -> Path:
         """A checkpoint after `step` steps. `keep_pending`: the run is stopping; its buffered and
         in-flight work is saved, then cancelled without being dropped."""
+        self.outputs.waiting(f"writing the checkpoint of step {step}")
         state = self._snapshot(step)
         if keep_pending:
             self.accounting.hold_pending()
@@ -382,6 +386,7 @@ class Controller:
             await self.buffer.put(group)
 
     async def _evaluate(self, pass_k: int = 0) -> HeldOut:
+        self.outputs.waiting(f"scoring {self.config.run.eval_prompts} held-out prompts")
         scorer = make_scorer(self.config.run.reward)
         return await evaluate_held_out(self.engine, self.config, self.parts.tokenizer, scorer, pass_k=pass_k)
 

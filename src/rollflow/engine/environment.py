@@ -28,10 +28,12 @@ WORKER_EXTENSION = "rollflow.engine.worker.WorkerExtension"
 
 def engine_environment(config: EngineConfig) -> dict[str, str]:
     """Environment variables vLLM reads at import, for any vLLM process rollflow starts: the CPU
-    platform and its threads when there is no GPU, quiet logs."""
+    platform and its threads when there is no GPU, quiet logs (`rollflow.engine.quiet`)."""
     import torch
 
-    env = {"VLLM_LOGGING_LEVEL": "WARNING"}
+    from rollflow.engine.quiet import quiet_environment
+
+    env = {"VLLM_LOGGING_LEVEL": "WARNING"} | quiet_environment()
     if not torch.cuda.is_available():
         env |= {"VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": str(config.threads)}
     return env
@@ -90,6 +92,8 @@ def engine_args(model_path: str, config: EngineConfig, dtype: str) -> Any:
     log-probs as sampled, rollflow's worker extension, prefix caching, LoRA when asked."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from rollflow.engine.quiet import verbose
+
     lora: dict[str, Any] = {}  # optional engine arguments
     if config.max_loras:
         lora = {
@@ -112,6 +116,7 @@ def engine_args(model_path: str, config: EngineConfig, dtype: str) -> Any:
         enable_prefix_caching=True,
         disable_log_stats=True,
         enable_log_requests=False,
+        use_tqdm_on_load=verbose(),  # a progress bar per start otherwise
         **lora,
     )
 

@@ -150,13 +150,13 @@ class VLLMEngine(AdapterSync):
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *, deltas: bool = True
     ) -> AsyncGenerator[EngineOutput, None]:
         from vllm.exceptions import VLLMClientError
+        from vllm.inputs.engine import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
         llm = self.llm
-        # Salt the prefix cache by version: a request never reuses KV computed under older weights.
-        prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
-        if self.salt_prefix_cache:
-            prompt["cache_salt"] = f"v{self._version}"
+        # Token ids in vLLM's engine-input form: nothing to render or tokenize. The prefix cache is
+        # salted by version: a request never reuses KV computed under older weights.
+        prompt = tokens_input(prompt_token_ids, cache_salt=f"v{self._version}" if self.salt_prefix_cache else None)
         # With adapter-only sync a request keeps the adapter it started with to the end, so all
         # its tokens carry that adapter's version.
         adapter_version = self._version if self.adapters.loaded else None
@@ -383,7 +383,8 @@ class VLLMEngine(AdapterSync):
         if handler is not None and not handler.done():
             handler.cancel()
             await asyncio.gather(handler, return_exceptions=True)
-        await asyncio.to_thread(llm.shutdown)
+        await asyncio.to_thread(llm.shutdown, SHUTDOWN_GRACE_S)
+        _shut_down_once(llm)
         self.adapters.close()
 
 
@@ -392,4 +393,18 @@ async def _shut_down_when_built(building: asyncio.Future[Any]) -> None:
         llm = await building
     except Exception:  # the late start failed: nothing was left running
         return
-    await asyncio.to_thread(llm.shutdown)
+    await asyncio.to_thread(llm.shutdown, SHUTDOWN_GRACE_S)
+    _shut_down_once(llm)
+
+
+SHUTDOWN_GRACE_S = 30.0
+"""How long the engine core process may take to exit after its shutdown before it is killed.
+Its teardown (freeing the compiled model, interpreter exit) takes 4-6 s on a 2-core CPU, around
+vLLM's default of 5 s, after which it kills the process and prints a warning."""
+
+
+def _shut_down_once(llm: Any) -> None:
+    """vLLM's `AsyncLLM.__del__` shuts the engine down again; when the object is collected only
+    as the interpreter exits, that second call finds vLLM's modules half torn down and prints a
+    traceback. The engine is shut down already, so the second call is made a no-op."""
+    llm.shutdown = lambda *args, **kwargs: None
