@@ -31,7 +31,7 @@ from overlap import CONTROLLER_CORE, ENGINE_CORE, SYSTEM_WORDS, pin
 from rollflow.config import Config, load_config
 from rollflow.controller import train
 from rollflow.engine.vllm import VLLMEngine
-from rollflow.models import chat_encoder, load_tokenizer, resolve_model
+from rollflow.models import load_tokenizer, prompt_encoder, resolve_model
 from rollflow.records import SamplingSpec
 from rollflow.sampler import Sampler
 from rollflow.sim import Scenario, simulate
@@ -67,7 +67,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 async def measure_engine(config: Config) -> tuple[EngineProfile, int, float]:
     """Decode step time per batch size, from (time of LONG tokens − time of SHORT) / (LONG − SHORT)."""
     path = resolve_model(config.model.path)
-    sampler = Sampler(config.data, chat_encoder(load_tokenizer(path)))
+    sampler = Sampler(config.data, prompt_encoder(load_tokenizer(path), config.data))
     prompts = [sampler.next() for _ in range(max(BATCHES))]
     prompt_len = round(sum(len(p.token_ids) for p in prompts) / len(prompts))
     pin(ENGINE_CORE)

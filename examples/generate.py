@@ -11,14 +11,14 @@ import asyncio
 
 from rollflow import Sampler, SamplingSpec, load_config, resolve_model, rollout
 from rollflow.engine.vllm import VLLMEngine
-from rollflow.models import chat_encoder, load_tokenizer
+from rollflow.models import load_tokenizer, prompt_encoder
 
 
 async def main() -> None:
     config = load_config(preset="tiny")
     path = resolve_model(config.model.path)
     tokenizer = load_tokenizer(path)
-    sampler = Sampler(config.data, chat_encoder(tokenizer))
+    sampler = Sampler(config.data, prompt_encoder(tokenizer, config.data))
     spec = SamplingSpec(temperature=1.0, max_tokens=12)
     async with VLLMEngine(path, config.engine) as engine:
         prompt = sampler.next()

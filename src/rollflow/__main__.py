@@ -210,7 +210,7 @@ async def _generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rollflow.evaluate import evaluate, sampling_spec
-    from rollflow.models import chat_encoder
+    from rollflow.models import prompt_encoder
     from rollflow.sampler import Sampler
 
     if args.prompts <= 0:
@@ -220,7 +220,7 @@ async def _generate(args: argparse.Namespace) -> int:
     group = 1 if args.greedy else config.rollout.group_size
     engine, tokenizer = await _started_engine(config, console)
     try:
-        sampler = Sampler(config.data, chat_encoder(tokenizer))
+        sampler = Sampler(config.data, prompt_encoder(tokenizer, config.data))
         prompts = [sampler.next() for _ in range(args.prompts)]
         with console.status("generating") as status:
             report = await evaluate(

@@ -124,7 +124,17 @@ class DataConfig(_Section, frozen=True):
     """Largest operand of the arithmetic task."""
 
     system_prompt: str = ""
-    """Optional system message put before every prompt."""
+    """Optional system message put before every prompt (`template = "raw"`: its text, then a
+    blank line)."""
+
+    template: Literal["chat", "raw"] = "chat"
+    """How a prompt becomes tokens: `chat` renders its messages with the model's chat template
+    (the model must have one); `raw` feeds the prompt text as is, for base models (each row then
+    has one `prompt` text, or `messages` with one user message)."""
+
+    prompt_format: str = ""
+    """With `template = "raw"`: the text around each prompt, with `{prompt}` where it goes, e.g.
+    `"Question: {prompt}\nAnswer:"` (empty: the prompt alone)."""
 
 
 class RolloutConfig(_Section, frozen=True):
@@ -575,6 +585,19 @@ def config_from_dict(data: dict[str, Any], *, source: str = "config") -> Config:
             f"trainer.warmup_steps ({config.trainer.warmup_steps}); got {config.trainer.total_steps} "
             '(set it to run.max_steps, or use schedule = "constant")'
         )
+    data_cfg = config.data
+    if data_cfg.prompt_format and data_cfg.template != "raw":
+        raise ConfigError(f'{source}: data.prompt_format: only used with data.template = "raw"')
+    if data_cfg.prompt_format:
+        try:
+            data_cfg.prompt_format.format(prompt="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ConfigError(
+                f"{source}: data.prompt_format: {data_cfg.prompt_format!r} is not a format with one "
+                f"{{prompt}} field ({type(err).__name__}: {err}); write literal braces as {{{{ and }}}}"
+            ) from None
+        if "{prompt}" not in data_cfg.prompt_format:
+            raise ConfigError(f"{source}: data.prompt_format: expected {{prompt}} where the prompt text goes")
     return config
 
 
@@ -603,6 +626,11 @@ def training_problems(config: Config) -> list[str]:
         problems.append(
             f'data.paths: files are read only by data.task = "jsonl", but the task is {config.data.task!r}; '
             'set data.task = "jsonl" or remove data.paths'
+        )
+    if config.env.name and config.data.template == "raw":
+        problems.append(
+            'data.template: environments render conversations with the chat template; "raw" prompts cannot be used '
+            f"with env.name = {config.env.name!r}"
         )
     if loss.is_mode in ("mis", "seq_mis") and loss.is_low >= loss.is_high:
         problems.append(

@@ -105,10 +105,12 @@ async def evaluate(
 
 def held_out_prompts(config: Config, tokenizer: Any, n: int) -> list[Prompt]:
     """`n` prompts drawn with `run.eval_seed` (the same ones at every evaluation of a run)."""
-    from rollflow.models import chat_encoder
+    from rollflow.models import prompt_encoder
     from rollflow.sampler import Sampler
 
-    held_out = Sampler(msgspec.structs.replace(config.data, seed=config.run.eval_seed), chat_encoder(tokenizer))
+    held_out = Sampler(
+        msgspec.structs.replace(config.data, seed=config.run.eval_seed), prompt_encoder(tokenizer, config.data)
+    )
     return [held_out.next() for _ in range(n)]
 
 

@@ -34,6 +34,8 @@ class _Row(msgspec.Struct, frozen=True):
     answer: str | None
     task: str
     metadata: dict[str, Any]
+    source: str = ""
+    """Where the row is (`file:line`), for errors found after reading."""
 
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -83,6 +85,7 @@ def _parse_row(path: Path, line: int, text: str) -> _Row:
         answer=None if answer is None else str(answer),
         task=task,
         metadata=obj,
+        source=f"{path}:{line}",
     )
 
 
@@ -120,6 +123,13 @@ class Sampler:
         self._config = config
         self._encode = encode
         self._rows = read_jsonl(config.paths) if config.task == "jsonl" else None
+        if config.template == "raw":
+            for row in self._rows or []:
+                if [m.role for m in row.messages] != ["user"]:
+                    raise DataError(
+                        f'{row.source}: data.template = "raw" feeds one prompt text; this row\'s messages have '
+                        f"roles {[m.role for m in row.messages]} (give `prompt`, or one user message)"
+                    )
         self._system = [Message(role="system", content=config.system_prompt)] if config.system_prompt else []
         self.epoch = 0
         self.position = 0

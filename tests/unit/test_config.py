@@ -109,6 +109,7 @@ def test_the_cli_refuses_greedy_training_with_exit_code_2(tmp_path, capsys, monk
         (["trainer.lora.enabled=true", "engine.max_loras=2", "run.max_lag=1"], "engine.max_loras: 2 adapters"),
         (["run.weight_transport=nccl"], 'run.weight_transport: "nccl" needs'),
         (["run.eval_every=5"], r"run.eval_every: evaluating during training needs held-out prompts"),
+        (['env.name="calculator"', 'data.template="raw"'], r"data.template: environments render conversations"),
         (["run.eval_prompts=8", "run.eval_pass_k=4"], r"run.eval_pass_k: pass@k is measured by the evaluations"),
     ],
 )
@@ -119,6 +120,19 @@ def test_combinations_that_cannot_work_are_refused_for_training_naming_the_keys(
     with pytest.raises(ConfigError, match=words):
         Controller(config, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (['data.prompt_format="Q: {prompt}"'], 'data.prompt_format: only used with data.template = "raw"'),
+        (['data.template="raw"', 'data.prompt_format="Q: {question}"'], r"not a format with one \{prompt\} field"),
+        (['data.template="raw"', 'data.prompt_format="Q:"'], r"expected \{prompt\} where the prompt text goes"),
+    ],
+)
+def test_a_prompt_format_without_its_field_is_refused(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(preset="tiny", overrides=overrides)
 
 
 def test_the_default_and_tiny_presets_have_no_training_problem():

@@ -104,3 +104,49 @@ def test_a_dataset_with_a_byte_order_mark_reads_like_one_without(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "prompt": "x"}\n')
     assert Sampler(DataConfig(task="jsonl", paths=[str(path)]), encode).next().id == "a"
+
+
+def test_raw_prompts_take_one_user_text_in_the_format_and_other_rows_name_their_line(tmp_path):
+    from rollflow.models import load_tokenizer, raw_encoder, tiny_model_path
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        json.dumps({"prompt": "2+2?", "answer": "4"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "3+3?"}]})
+        + "\n"
+    )
+    seen = []
+
+    def encode(messages):
+        seen.append(messages)
+        return [1]
+
+    config = DataConfig(task="jsonl", paths=[str(data)], template="raw", system_prompt="Be brief.")
+    sampler = Sampler(config, encode)
+    sampler.next(), sampler.next()
+    assert all([m.role for m in ms] == ["system", "user"] for ms in seen)
+    tokenizer = load_tokenizer(tiny_model_path(0))
+    ids = raw_encoder(tokenizer, "Q: {prompt}\nA:")(seen[0])
+    assert tokenizer.decode(ids, skip_special_tokens=True) == f"Be brief.\n\nQ: {seen[0][1].content}\nA:"
+
+    data.write_text(
+        json.dumps({"prompt": "fine"})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+        + "\n"
+    )
+    with pytest.raises(DataError, match=rf'{data}:2: data.template = "raw" feeds one prompt text'):
+        Sampler(config, encode)
+
+
+def test_a_tokenizer_without_a_chat_template_is_one_error_naming_the_fix():
+    from rollflow.errors import UserInputError
+    from rollflow.models import chat_encoder
+
+    class Base:
+        chat_template = None
+        name_or_path = "/models/base"
+
+    with pytest.raises(UserInputError, match=r'model /models/base has no chat template .*data.template = "raw"'):
+        chat_encoder(Base())

@@ -21,7 +21,7 @@ from rollflow.controller.trainer_thread import TrainerRunner, TrainerThread
 from rollflow.engine import ManagedEngine
 from rollflow.engine.factory import make_engine
 from rollflow.envs import ChatFormat
-from rollflow.models import chat_encoder, load_tokenizer, resolve_model
+from rollflow.models import check_chat_template, load_tokenizer, prompt_encoder, resolve_model
 from rollflow.sampler import Sampler
 from rollflow.trainer import TrainerBackend
 from rollflow.weight_sync import WeightTransport, make_transport
@@ -62,6 +62,10 @@ async def build(config: Config, given: Given, *, multi_turn: bool) -> Components
     needs_model = given.tokenizer is None or given.engine is None or (given.trainer is None and given.runner is None)
     model_path = resolve_model(config.model.path) if needs_model else Path(config.model.path)
     tokenizer = given.tokenizer or load_tokenizer(model_path)
+    if multi_turn:  # before the trainer loads: a missing template fails at once
+        check_chat_template(tokenizer, config.model.path, "environments render conversations with it")
+    elif config.data.template == "chat":
+        check_chat_template(tokenizer, config.model.path)
     runner = given.runner or TrainerThread(
         given.trainer or await _load_trainer(config, model_path), config.run.trainer_cpus or None
     )
@@ -86,7 +90,7 @@ async def build(config: Config, given: Given, *, multi_turn: bool) -> Components
         engine = factory()
     return Components(
         tokenizer=tokenizer,
-        sampler=Sampler(config.data, chat_encoder(tokenizer)),
+        sampler=Sampler(config.data, prompt_encoder(tokenizer, config.data)),
         chat=ChatFormat(tokenizer) if multi_turn else None,
         runner=runner,
         teacher=teacher,

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollflow.errors import ModelNotFoundError
+from rollflow.errors import ModelNotFoundError, UserInputError
 from rollflow.models.smollm2 import smollm2_path
 from rollflow.models.tiny import tiny_model_path
 
-__all__ = ["chat_encoder", "load_tokenizer", "resolve_model", "smollm2_path", "tiny_model_path"]
+__all__ = [
+    "chat_encoder",
+    "check_chat_template",
+    "load_tokenizer",
+    "prompt_encoder",
+    "raw_encoder",
+    "resolve_model",
+    "smollm2_path",
+    "tiny_model_path",
+]
 
 BUILTIN = ("tiny", "tiny:SEED", "smollm2-135m-instruct")
 
@@ -44,8 +53,37 @@ def load_tokenizer(path: Path):  # -> transformers PreTrainedTokenizerBase
     return AutoTokenizer.from_pretrained(path)
 
 
+def prompt_encoder(tokenizer, data):  # (tokenizer, DataConfig) -> Callable[[list[Message]], list[int]]
+    """Messages -> prompt token ids as `data.template` says: the chat template, or the raw text."""
+    if data.template == "raw":
+        return raw_encoder(tokenizer, data.prompt_format)
+    return chat_encoder(tokenizer)
+
+
+def check_chat_template(tokenizer, path, why: str = 'set data.template = "raw" (and data.prompt_format)') -> None:
+    """A tokenizer without a chat template cannot render messages: one clear error naming the fix."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserInputError(f"model {path} has no chat template (a base model?); {why}")
+
+
+def raw_encoder(tokenizer, prompt_format: str = ""):  # -> Callable[[list[Message]], list[int]]
+    """Messages -> prompt token ids of the plain text: an optional system message and a blank
+    line, then the user message inside `prompt_format` (`{prompt}` marks where)."""
+
+    def encode(messages) -> list[int]:
+        system = [m.content for m in messages if m.role == "system"]
+        (user,) = [m.content for m in messages if m.role != "system"]  # the sampler checks there is one
+        text = prompt_format.format(prompt=user) if prompt_format else user
+        if system:
+            text = "\n".join(system) + "\n\n" + text
+        return list(tokenizer(text)["input_ids"])
+
+    return encode
+
+
 def chat_encoder(tokenizer):  # -> Callable[[list[Message]], list[int]]
     """Messages -> prompt token ids through the tokenizer's chat template (generation prompt on)."""
+    check_chat_template(tokenizer, getattr(tokenizer, "name_or_path", "?"))
 
     def encode(messages) -> list[int]:
         rendered = tokenizer.apply_chat_template(

@@ -92,6 +92,9 @@ class FakeTokenizer:
     a digit for every token id divisible by 3, `x` otherwise, so the `digits` reward varies.
     """
 
+    chat_template = "role: content per message"
+    """Present, as on a chat model (only its presence is checked)."""
+
     def __init__(self, prompt_tokens: int | None = None) -> None:
         self.prompt_tokens = prompt_tokens
 
