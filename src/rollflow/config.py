@@ -114,8 +114,18 @@ class DataConfig(_Section, frozen=True):
     """Prompt source: a built-in procedural task with a verifier, or JSONL files."""
 
     paths: list[str] = []
-    """JSONL files for `task = "jsonl"`: one object per line with `prompt` (str) or `messages`
-    (list of {role, content}), optional `answer` and `id`."""
+    """Dataset files for `task = "jsonl"`: JSONL (one object per line), Parquet, CSV or Arrow
+    files, or folders saved with `datasets`' `save_to_disk`. Each row has `prompt` (a string, or a
+    list of {role, content}) or `messages`, optional `answer` and `id`; other columns are kept for
+    rewards."""
+
+    columns: dict[str, str] = {}
+    """Source column -> rollflow name (`prompt`, `messages`, `answer`, `id`), e.g.
+    `{question = "prompt", "reward_model.ground_truth" = "answer"}` (a dotted name reads a field of
+    a struct column)."""
+
+    split: str = "train"
+    """The split to read from a `datasets` folder holding several (a `DatasetDict`)."""
 
     seed: int = 0
     """Seed for the prompt order and for procedural tasks."""
@@ -586,6 +596,11 @@ def config_from_dict(data: dict[str, Any], *, source: str = "config") -> Config:
             '(set it to run.max_steps, or use schedule = "constant")'
         )
     data_cfg = config.data
+    for column, target in data_cfg.columns.items():
+        if target not in ("prompt", "messages", "answer", "id", "task"):
+            raise ConfigError(
+                f"{source}: data.columns: {column!r} maps to {target!r}; expected prompt, messages, answer, id or task"
+            )
     if data_cfg.prompt_format and data_cfg.template != "raw":
         raise ConfigError(f'{source}: data.prompt_format: only used with data.template = "raw"')
     if data_cfg.prompt_format:
@@ -624,8 +639,8 @@ def training_problems(config: Config) -> list[str]:
         )
     if config.data.paths and config.data.task != "jsonl":
         problems.append(
-            f'data.paths: files are read only by data.task = "jsonl", but the task is {config.data.task!r}; '
-            'set data.task = "jsonl" or remove data.paths'
+            f'data.paths: files are read only by data.task = "jsonl" (any dataset file), but the task is '
+            f'{config.data.task!r}; set data.task = "jsonl" or remove data.paths'
         )
     if config.env.name and config.data.template == "raw":
         problems.append(

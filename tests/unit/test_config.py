@@ -128,6 +128,7 @@ def test_combinations_that_cannot_work_are_refused_for_training_naming_the_keys(
         (['data.prompt_format="Q: {prompt}"'], 'data.prompt_format: only used with data.template = "raw"'),
         (['data.template="raw"', 'data.prompt_format="Q: {question}"'], r"not a format with one \{prompt\} field"),
         (['data.template="raw"', 'data.prompt_format="Q:"'], r"expected \{prompt\} where the prompt text goes"),
+        (["data.columns={question = 'query'}"], r"data.columns: 'question' maps to 'query'; expected prompt, messages"),
     ],
 )
 def test_a_prompt_format_without_its_field_is_refused(overrides, words):
