@@ -1,0 +1,45 @@
+"""`generate` / `eval` with `--model` or `--run`: which config and model they use, and the errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollflow.__main__ import _model_config, build_parser
+from rollflow.config import dump_config, load_config
+from rollflow.errors import UserInputError
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["eval", *argv])
+
+
+def finished_run(tmp_path, *overrides: str):
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.toml").write_text(dump_config(load_config(preset="tiny", overrides=list(overrides))))
+    return run
+
+
+def test_run_takes_its_config_and_its_final_model(tmp_path):
+    run = finished_run(tmp_path, "sampling.max_tokens=40")
+    (run / "final" / "config.json").write_text("{}")
+    config = _model_config(parse("--run", str(run)))
+    assert config.model.path == str(run / "final") and config.sampling.max_tokens == 40
+    other = tmp_path / "other model"
+    assert _model_config(parse("--run", str(run), "--model", str(other))).model.path == str(other)
+    assert _model_config(parse("--preset", "tiny", "--model", str(other))).model.path == str(other)
+
+
+def test_run_errors_name_the_fix(tmp_path):
+    run = finished_run(tmp_path)
+    with pytest.raises(UserInputError, match="no trained model in .*final .the run did not finish"):
+        _model_config(parse("--run", str(run)))
+    (run / "final" / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    with pytest.raises(UserInputError, match=r"its final/ is a LoRA adapter; .*export .* --merged"):
+        _model_config(parse("--run", str(run)))
+    with pytest.raises(UserInputError, match="takes the run's own config.toml"):
+        _model_config(parse("--run", str(run), "--preset", "tiny"))
+    with pytest.raises(UserInputError, match="not a rollflow run directory"):
+        _model_config(parse("--run", str(tmp_path / "nothing")))
