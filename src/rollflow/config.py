@@ -222,6 +222,16 @@ class TrainerConfig(_Section, frozen=True):
     loss_chunk: PosInt = 128
     """Tokens per chunk of LM-head logits in the log-prob computation."""
 
+    mini_batches: PosInt = 1
+    """Optimizer updates per pass over a step's batch: the batch is split into this many parts
+    (in order), each its own update. With more than one update per step (this or `epochs`), the
+    policy's log-probs before the first update are the PPO ratio's reference, so the clipping of
+    `loss.eps_low` / `loss.eps_high` takes effect; the engine's log-probs still give the
+    importance-sampling correction."""
+
+    epochs: PosInt = 1
+    """Passes over a step's batch (PPO epochs); the learning-rate schedule counts steps, not updates."""
+
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Trainer parameter dtype (bfloat16 on GPU; float32 matches the CPU engine exactly)."""
 
@@ -241,6 +251,12 @@ class LossConfig(_Section, frozen=True):
 
     eps_high: NonNegFloat = 0.28
     """Upper clip range of the policy ratio (1 + eps_high); larger than eps_low as in DAPO."""
+
+    objective: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    """The policy-gradient objective (docs/training.md has the table of peer names): `ppo_clip`
+    clips each token's ratio (PPO, GRPO, DAPO); `gspo` one ratio per sequence, the geometric mean
+    of its token ratios, clipped per sequence (GSPO; its paper uses eps near 3e-4 / 4e-4); `cispo`
+    keeps every token and clips a detached ratio weight instead (CISPO)."""
 
     normalization: Literal["grpo", "dr_grpo", "token_mean"] = "token_mean"
     """`grpo`: per-sequence mean then mean; `dr_grpo`: sum / (sequences × max_tokens);

@@ -9,9 +9,10 @@ Two parts:
    recomputes one chunk's logits in backward. The same path runs on CUDA; liger-kernel's fused
    kernel is not wired in (it needs a GPU to build and check against this path).
 
-2. `policy_loss`: the clipped policy-gradient objective of the GRPO family with an
-   importance-sampling correction against the behaviour log-probs recorded by the engine, a
-   choice of normalisation, an optional k3 KL to a reference, per-token loss masks, and metrics.
+2. `policy_loss`: the clipped policy-gradient objectives of the GRPO family (PPO-clip per
+   token, GSPO per sequence, CISPO's clipped weights) with an importance-sampling correction
+   against the behaviour log-probs recorded by the engine, a choice of normalisation, an
+   optional k3 KL to a reference, per-token loss masks, and metrics.
 
 No IO, no config objects, no distributed code: callers pass tensors and numbers.
 """
@@ -23,6 +24,7 @@ from typing import Literal
 import torch
 
 Normalization = Literal["grpo", "dr_grpo", "token_mean"]
+Objective = Literal["ppo_clip", "gspo", "cispo"]
 ISMode = Literal["none", "tis", "mis", "seq_tis", "seq_mis"]
 
 DEFAULT_CHUNK = 128
@@ -226,6 +228,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     token_advantages: torch.Tensor | None = None,
+    objective: Objective = "ppo_clip",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss with importance-sampling correction.
 
@@ -235,8 +238,14 @@ def policy_loss(
     proximal_logprobs: (B, T) the policy before this step; defaults to `logprobs.detach()`
     (one optimizer step per batch), which makes the PPO ratio 1 with the gradient of log π.
 
-    The loss per token is -w · min(r·A, clip(r, 1-eps_low, 1+eps_high)·A) + kl_coef · k3, with
-    r = π/π_prox and w the importance weight π_prox/μ. Normalisation:
+    The loss per token is -w · f(r, A) + kl_coef · k3, with r = π/π_prox, w the importance
+    weight π_prox/μ, and f by `objective`:
+    - `ppo_clip`: min(r·A, clip(r, 1-eps_low, 1+eps_high)·A) per token (PPO / GRPO);
+    - `gspo`: the same with one ratio per sequence, s = exp(mean over its tokens of log r),
+      clipped per sequence (GSPO), spread over the sequence's tokens;
+    - `cispo`: sg(clip(r, 1-eps_low, 1+eps_high)) · A · log π: the clipped ratio is a detached
+      weight, so no token leaves the gradient (CISPO).
+    Normalisation:
     - `token_mean`: sum over tokens / number of tokens (DAPO);
     - `grpo`: mean over each sequence's tokens, then over sequences;
     - `dr_grpo`: sum over tokens / (sequences × `denominator`, a constant such as max_tokens).
@@ -253,8 +262,16 @@ def policy_loss(
         proximal_logprobs, behaviour_logprobs, mask, mode=is_mode, cap=is_cap, low=is_low, high=is_high
     )
     ratio = torch.exp(logprobs - proximal_logprobs)  # (B, T)
+    if objective == "gspo":  # one ratio per sequence: the geometric mean of its token ratios
+        seq_log_ratio = _masked_mean((logprobs - proximal_logprobs) * mask, mask, dim=-1)  # (B,)
+        ratio = seq_log_ratio.exp()[:, None].expand_as(logprobs)  # (B, T), with grad
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    surrogate = torch.minimum(ratio * adv, clipped * adv)
+    if objective == "cispo":
+        surrogate = clipped.detach() * adv * logprobs
+    elif objective in ("ppo_clip", "gspo"):
+        surrogate = torch.minimum(ratio * adv, clipped * adv)
+    else:
+        raise ValueError(f"unknown objective {objective!r}")
     per_token = -weights.detach() * surrogate  # (B, T)
     kl = torch.zeros_like(per_token)
     kl_mask = mask
@@ -285,7 +302,10 @@ def policy_loss(
         valid = mask.bool()
         values = is_ratio[valid] if valid.any() else torch.ones(1)
         log_ratio = (proximal_logprobs - behaviour_logprobs)[valid] if valid.any() else torch.zeros(1)
-        clip_hit = ((ratio < 1.0 - eps_low) & (adv < 0)) | ((ratio > 1.0 + eps_high) & (adv > 0))
+        if objective == "cispo":  # every clipped weight counts: no token is dropped either way
+            clip_hit = (ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)
+        else:
+            clip_hit = ((ratio < 1.0 - eps_low) & (adv < 0)) | ((ratio > 1.0 + eps_high) & (adv > 0))
         metrics = {
             "ratio_mean": values.mean(),
             "ratio_min": values.min(),

@@ -110,6 +110,9 @@ class TrainSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    old_logprobs: list[float] | None = None
+    """The trainer's log-probs before this step's first update, the PPO ratio's reference (set by
+    the trainer itself when it makes several updates per batch)."""
 
     @property
     def num_completion(self) -> int:

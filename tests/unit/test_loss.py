@@ -181,3 +181,46 @@ def test_kl_to_a_reference_with_truncated_support_stays_finite():
     plain, _ = policy_loss(logprobs.detach(), behaviour, torch.tensor([1.0]), mask)
     assert (loss - plain).item() == pytest.approx(0.1 * sum(k3) / 3, rel=1e-5)  # divided by the 3 loss tokens
     assert logprobs.grad[0, 2].item() == 0.0 and logprobs.grad[0, 1].item() == pytest.approx(-1.0 / 3, rel=1e-5)
+
+
+def _three_tokens(old: list[float], advantage: float, objective: str):
+    """A hand-checkable case: one sequence of 3 tokens whose current log-probs are 0 (so r_t =
+    exp(-old_t)), behaviour = old (no importance correction), token-mean over 3 tokens."""
+    logprobs = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    old_t = torch.tensor([old], dtype=torch.float64)
+    loss, metrics = policy_loss(
+        logprobs, old_t, torch.tensor([advantage], dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64),
+        proximal_logprobs=old_t, eps_low=0.2, eps_high=0.28, is_mode="none", objective=objective,
+    )
+    loss.backward()
+    return loss.item(), logprobs.grad[0].tolist(), metrics
+
+
+def test_ppo_clip_with_a_reference_clips_tokens_that_moved_too_far():
+    r = [1.5, 1.1, 0.7]  # above 1 + eps_high, inside, below 1 - eps_low
+    loss, grad, metrics = _three_tokens([-math.log(x) for x in r], 1.0, "ppo_clip")
+    # A > 0: min(r A, clip(r) A) is clip for the first token (no gradient), r for the others.
+    assert loss == pytest.approx(-(1.28 + 1.1 + 0.7) / 3)
+    assert grad == pytest.approx([0.0, -1.1 / 3, -0.7 / 3])
+    assert metrics["clip_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_gspo_takes_one_ratio_per_sequence_the_geometric_mean_clipped_as_a_whole():
+    r = [1.2, 1.05, 0.9]
+    s = (1.2 * 1.05 * 0.9) ** (1 / 3)  # ≈ 1.046: inside [0.8, 1.28]
+    loss, grad, _ = _three_tokens([-math.log(x) for x in r], 2.0, "gspo")
+    assert loss == pytest.approx(-s * 2.0)  # the same value on each of the 3 tokens, token mean
+    # loss = -s A and ds/d logprob_t = s / 3: every token moves the sequence's ratio equally.
+    assert grad == pytest.approx([-2.0 * s / 3] * 3)
+    big = [1.9, 1.8, 1.7]  # geometric mean ≈ 1.80 > 1.28 with A > 0: clipped, no gradient
+    loss, grad, _ = _three_tokens([-math.log(x) for x in big], 1.0, "gspo")
+    assert loss == pytest.approx(-1.28) and grad == pytest.approx([0.0] * 3)
+
+
+def test_cispo_keeps_every_token_with_a_clipped_detached_weight():
+    r = [1.5, 1.1, 0.7]
+    loss, grad, metrics = _three_tokens([-math.log(x) for x in r], 1.0, "cispo")
+    # loss = -(1/3) Σ sg(clip(r_t)) A log π_t, and log π_t = 0 here.
+    assert loss == pytest.approx(0.0)
+    assert grad == pytest.approx([-1.28 / 3, -1.1 / 3, -0.8 / 3])  # the clipped token still has a gradient
+    assert metrics["clip_frac"].item() == pytest.approx(2 / 3)

@@ -165,3 +165,29 @@ def test_kl_penalty_with_top_k_and_masked_tokens_stays_finite(make_batch):
     metrics = trainer.step(poisoned)
     assert metrics["skipped"] == 0.0 and math.isfinite(metrics["loss"]) and math.isfinite(metrics["kl_ref"])
     assert math.isfinite(metrics["grad_norm"]) and trainer.steps == 1
+
+
+def test_one_update_per_batch_has_no_clipping_and_several_updates_clip(make_batch):
+    """With the defaults the PPO ratio is 1 (nothing to clip); with 4 mini-batches a large step
+    moves the policy away from its pre-step log-probs and the clip range takes effect."""
+    one = Trainer(tiny_model_path(0), TrainerConfig(lr=0.05))
+    batch = make_batch(one, n=8)
+    first = one.step(batch)
+    assert first["clip_frac"] == 0.0
+    several = Trainer(tiny_model_path(0), TrainerConfig(lr=0.05, mini_batches=4, epochs=2))
+    metrics = several.step(batch)
+    assert metrics["clip_frac"] > 0 and several.steps == 1
+    assert metrics["tokens"] == first["tokens"] == sum(s.num_completion for s in batch.samples)
+
+
+def test_several_updates_change_the_weights_once_per_update_and_cispo_gspo_train(make_batch):
+    for objective in ("cispo", "gspo"):
+        trainer = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3, mini_batches=2), LossConfig(objective=objective))
+        batch = make_batch(trainer)
+        plain = list(batch.samples)
+        old = trainer.score(plain)
+        metrics = trainer.step(batch)
+        assert math.isfinite(metrics["loss"]) and metrics["skipped"] == 0.0
+        new = trainer.score(plain)
+        gain = sum(s.advantage * (sum(n) - sum(o)) for n, o, s in zip(new, old, plain, strict=True))
+        assert gain > 0, objective  # the advantage-weighted log-likelihood went up

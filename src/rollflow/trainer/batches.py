@@ -101,6 +101,7 @@ def pad(samples: list[TrainSample], device: torch.device) -> dict[str, Any]:
     behaviour = torch.zeros(B, T)
     mask = torch.zeros(B, T)
     token_adv = torch.zeros(B, T)
+    old = torch.zeros(B, T) if samples[0].old_logprobs is not None else None
     gather: list[int] = []
     targets: list[int] = []
     slots: list[int] = []
@@ -111,6 +112,8 @@ def pad(samples: list[TrainSample], device: torch.device) -> dict[str, Any]:
         behaviour[b, :c] = torch.tensor(s.logprobs)
         mask[b, :c] = torch.tensor(s.loss_mask, dtype=torch.float32)
         token_adv[b, :c] = torch.tensor(s.token_advantages) if s.token_advantages is not None else s.advantage
+        if old is not None:
+            old[b, :c] = torch.tensor(s.old_logprobs)
         # The hidden state at position t predicts token t + 1.
         gather.extend(b * L + t - 1 for t in range(s.prompt_len, n))
         targets.extend(s.input_ids[s.prompt_len :])
@@ -125,5 +128,6 @@ def pad(samples: list[TrainSample], device: torch.device) -> dict[str, Any]:
         "behaviour": behaviour.to(to),
         "mask": mask.to(to),
         "token_adv": token_adv.to(to),
+        "old": old.to(to) if old is not None else None,
         "shape": (B, T),
     }

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -119,40 +120,44 @@ class Trainer:
         (out.sum() * 0.0).backward()
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on the whole batch; returns metrics (identical on every rank)."""
+        """One training step on the whole batch: `trainer.epochs` passes of `trainer.mini_batches`
+        optimizer updates (one update by default); returns metrics (identical on every rank).
+
+        A non-finite loss or gradient skips its update; `skipped` is 1 when every update was
+        skipped (the weights did not change), and only then does the scheduler not tick."""
+        cfg = self.config
+        updates = [batch]
+        if cfg.mini_batches * cfg.epochs > 1:
+            old = self.score(batch.samples)  # the reference of every update's PPO ratio
+            samples = [msgspec.structs.replace(s, old_logprobs=lp) for s, lp in zip(batch.samples, old, strict=True)]
+            n, parts = len(samples), min(cfg.mini_batches, len(samples))
+            chunks = [samples[n * k // parts : n * (k + 1) // parts] for k in range(parts)]
+            updates = [msgspec.structs.replace(batch, samples=c) for _ in range(cfg.epochs) for c in chunks]
+        results = [self._update(u) for u in updates]
+        applied = [r for r in results if not r[1]]
+        if applied:
+            self.scheduler.step()
+            self.steps += 1
+        lr = float(self.scheduler.get_last_lr()[0])
+        return _combine(results, epochs=cfg.epochs if len(updates) > 1 else 1, skipped=not applied, lr=lr)
+
+    def _update(self, batch: TrainBatch) -> tuple[torch.Tensor, bool, float, torch.Tensor, torch.Tensor]:
+        """One optimizer update on `batch`: (metric sums, skipped, grad norm, min and max ratio)."""
         sums, low, high = self.accumulate(batch)
         grad_norm = self._clip()
         if self.distributed:
             dist.all_reduce(sums)
             dist.all_reduce(low, op=dist.ReduceOp.MIN)
             dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        # A non-finite loss or gradient changes nothing: no update, no scheduler tick. The norm
-        # and the loss are global, so every rank takes the same branch.
+        # A non-finite loss or gradient changes nothing. The norm and the loss are global, so
+        # every rank takes the same branch.
         skipped = not math.isfinite(grad_norm) or not math.isfinite(float(sums[0]))
         if skipped:
-            log.warning("step %d: non-finite loss or gradient (grad norm %s); step skipped", batch.step, grad_norm)
+            log.warning("step %d: non-finite loss or gradient (grad norm %s); update skipped", batch.step, grad_norm)
         else:
             self.optimizer.step()
-            self.scheduler.step()
-            self.steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        n = max(sums[1].item(), 1.0)
-        return {
-            "loss": sums[0].item(),
-            "tokens": sums[1].item(),
-            "ratio_mean": sums[2].item() / n,
-            "ratio_min": low.item() if sums[1] else 1.0,
-            "ratio_max": high.item() if sums[1] else 1.0,
-            "clip_frac": sums[3].item() / n,
-            "is_masked_frac": sums[4].item() / n,
-            "mismatch_kl": sums[5].item() / n,
-            "entropy": sums[6].item() / n,
-            "kl_ref": sums[7].item() / n,
-            "outside_support_tokens": sums[8].item(),
-            "grad_norm": grad_norm,
-            "lr": float(self.scheduler.get_last_lr()[0]),
-            "skipped": float(skipped),
-        }
+        return sums, skipped, grad_norm, low, high
 
     def accumulate(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward and backward over this rank's share of the batch, adding into `.grad`.
@@ -201,6 +206,10 @@ class Trainer:
             # log-prob -inf: it leaves the loss and is counted, instead of turning it into NaN.
             # Environment tokens (mask 0) were never sampled and are often outside it too.
             finite = torch.isfinite(logprobs)
+            old = t["old"]
+            if old is not None:  # outside the support before this step's first update
+                finite &= torch.isfinite(old)
+                old = torch.where(torch.isfinite(old), old, torch.zeros_like(old))
             outside = float((t["mask"] * ~finite).sum())
             if not bool(finite.all()):
                 t["mask"] = t["mask"] * finite
@@ -218,6 +227,8 @@ class Trainer:
                 t["behaviour"],
                 torch.zeros(len(micro), device=self.device),
                 t["mask"],
+                proximal_logprobs=old,
+                objective=cfg.objective,
                 token_advantages=t["token_adv"],
                 eps_low=cfg.eps_low,
                 eps_high=cfg.eps_high,
@@ -354,6 +365,33 @@ class Trainer:
         )
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
+
+
+def _combine(updates: list[tuple], *, epochs: int, skipped: bool, lr: float) -> dict[str, float]:
+    """A step's metrics from its updates' (sums, skipped, grad norm, low, high): loss and grad
+    norm are means over the updates, the per-token ones means over every update's tokens, the
+    token counts those of one pass over the batch."""
+    total = sum((u[0] for u in updates), torch.zeros(9, dtype=torch.float64))
+    n = max(total[1].item(), 1.0)
+    lows = [u[3].item() for u in updates if u[0][1]]
+    highs = [u[4].item() for u in updates if u[0][1]]
+    norms = [u[2] for u in updates]
+    return {
+        "loss": sum(u[0][0].item() for u in updates) / len(updates),
+        "tokens": total[1].item() / epochs,
+        "ratio_mean": total[2].item() / n,
+        "ratio_min": min(lows) if lows else 1.0,
+        "ratio_max": max(highs) if highs else 1.0,
+        "clip_frac": total[3].item() / n,
+        "is_masked_frac": total[4].item() / n,
+        "mismatch_kl": total[5].item() / n,
+        "entropy": total[6].item() / n,
+        "kl_ref": total[7].item() / n,
+        "outside_support_tokens": total[8].item() / epochs,
+        "grad_norm": sum(norms) / len(norms),
+        "lr": lr,
+        "skipped": float(skipped),
+    }
 
 
 def with_lora(lm: nn.Module, config: LoRAConfig) -> nn.Module:
