@@ -1,0 +1,27 @@
+"""Each policy objective and several updates per batch learn the tiny preset's reward, as the
+default does (tests/integration/test_train.py), in a real run."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollflow.config import load_config
+from rollflow.controller import train
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["loss.objective=gspo", "loss.eps_low=0.003", "loss.eps_high=0.004"], ["loss.objective=cispo"],
+     ["trainer.mini_batches=4"]],
+    ids=["gspo", "cispo", "mini_batches_4"],
+)
+@pytest.mark.timeout(600)
+async def test_the_tiny_preset_learns_its_reward(tmp_path, overrides):
+    result = await train(load_config(preset="tiny", overrides=[*overrides, "observe.sinks=[]"]), tmp_path)
+    rewards = [m["reward_mean"] for m in result.metrics]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.1, rewards
+    if "trainer.mini_batches=4" in overrides:
+        assert max(m["clip_frac"] for m in result.metrics) > 0
