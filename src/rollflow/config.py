@@ -277,7 +277,12 @@ class LossConfig(_Section, frozen=True):
     """Upper bound of the kept ratio range of `mis` / `seq_mis`."""
 
     kl_coef: NonNegFloat = 0.0
-    """Coefficient of the k3 KL penalty to the initial (reference) policy; 0 disables it."""
+    """Coefficient of the KL penalty to the initial (reference) policy (`kl_estimator`); 0 disables it."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Estimator of the KL to the reference per token, with delta = log π_ref - log π: `k1` =
+    -delta (unbiased, can be negative), `k2` = delta² / 2, `k3` = exp(delta) - delta - 1
+    (unbiased, never negative; the default)."""
 
     advantage: Literal["grpo", "rloo"] = "grpo"
     """Group baseline: mean (`grpo`) or leave-one-out (`rloo`)."""

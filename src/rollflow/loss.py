@@ -25,6 +25,7 @@ import torch
 
 Normalization = Literal["grpo", "dr_grpo", "token_mean"]
 Objective = Literal["ppo_clip", "gspo", "cispo"]
+KLEstimator = Literal["k1", "k2", "k3"]
 ISMode = Literal["none", "tis", "mis", "seq_tis", "seq_mis"]
 
 DEFAULT_CHUNK = 128
@@ -171,6 +172,19 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) ->
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+def kl_estimate(delta: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(π || π_ref) from delta = log π_ref - log π at tokens sampled from π
+    (Schulman's estimators): k1 = -delta (unbiased, can be negative), k2 = delta² / 2 (biased,
+    >= 0), k3 = exp(delta) - delta - 1 (unbiased, >= 0)."""
+    if estimator == "k1":
+        return -delta
+    if estimator == "k2":
+        return 0.5 * delta * delta
+    if estimator == "k3":
+        return delta.exp() - delta - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
 def importance_weights(
     proximal_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
@@ -229,6 +243,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     token_advantages: torch.Tensor | None = None,
     objective: Objective = "ppo_clip",
+    kl_estimator: KLEstimator = "k3",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss with importance-sampling correction.
 
@@ -238,7 +253,7 @@ def policy_loss(
     proximal_logprobs: (B, T) the policy before this step; defaults to `logprobs.detach()`
     (one optimizer step per batch), which makes the PPO ratio 1 with the gradient of log π.
 
-    The loss per token is -w · f(r, A) + kl_coef · k3, with r = π/π_prox, w the importance
+    The loss per token is -w · f(r, A) + kl_coef · KL estimate (`kl_estimator`), with r = π/π_prox, w the importance
     weight π_prox/μ, and f by `objective`:
     - `ppo_clip`: min(r·A, clip(r, 1-eps_low, 1+eps_high)·A) per token (PPO / GRPO);
     - `gspo`: the same with one ratio per sequence, s = exp(mean over its tokens of log r),
@@ -283,7 +298,7 @@ def policy_loss(
         defined = kl_mask.bool()
         delta = torch.where(defined, ref_logprobs, logprobs.detach()) - logprobs  # (B, T)
         delta = torch.where(defined, delta, torch.zeros_like(delta))
-        kl = delta.exp() - delta - 1.0  # k3 estimator of KL(π || π_ref), >= 0
+        kl = kl_estimate(delta, kl_estimator)
         per_token = per_token + kl_coef * kl
     if normalization == "token_mean":
         loss = (per_token * kept).sum() / (denominator if denominator is not None else mask.sum().clamp(min=1))

@@ -224,3 +224,22 @@ def test_cispo_keeps_every_token_with_a_clipped_detached_weight():
     assert loss == pytest.approx(0.0)
     assert grad == pytest.approx([-1.28 / 3, -1.1 / 3, -0.8 / 3])  # the clipped token still has a gradient
     assert metrics["clip_frac"].item() == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "value", "slope"),
+    # delta = log π_ref - log π = -0.5 (π above the reference); d/d log π of each estimate.
+    [("k1", 0.5, 1.0), ("k2", 0.125, 0.5), ("k3", math.exp(-0.5) + 0.5 - 1.0, 1.0 - math.exp(-0.5))],
+)
+def test_kl_estimators_have_their_closed_form_and_stay_finite_where_undefined(estimator, value, slope):
+    logprobs = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.5, float("-inf"), -1.5]], dtype=torch.float64)  # the middle token: outside its support
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)  # the last token is not in the loss
+    loss, metrics = policy_loss(
+        logprobs, logprobs.detach(), torch.zeros(1, dtype=torch.float64), mask, is_mode="none",
+        ref_logprobs=ref, kl_coef=1.0, kl_estimator=estimator, normalization="token_mean",
+    )
+    loss.backward()
+    # Advantages are 0, so the loss is the KL term of the one defined loss token over 2 loss tokens.
+    assert loss.item() == pytest.approx(value / 2) and metrics["kl_ref"].item() == pytest.approx(value)
+    assert logprobs.grad[0].tolist() == pytest.approx([slope / 2, 0.0, 0.0])

@@ -240,6 +240,7 @@ class Trainer:
                 is_high=cfg.is_high,
                 ref_logprobs=ref,
                 kl_coef=cfg.kl_coef,
+                kl_estimator=cfg.kl_estimator,
             )
             # FSDP2 averages gradients over ranks; the loss is already normalised by the whole
             # batch, so scale back up to get the sum.
