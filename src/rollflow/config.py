@@ -155,6 +155,12 @@ class RolloutConfig(_Section, frozen=True):
     """What an in-flight sample does at a weight update: `keep` continues under the new weights,
     `resume` aborts and resubmits prompt + prefix, `restart` starts over from the prompt."""
 
+    filter_equal_rewards: bool = False
+    """Dynamic sampling (DAPO): a group whose scored rewards are all equal (no advantage, no
+    gradient) is not buffered; it is dropped as `filtered: equal rewards` and its admission room
+    goes back at once, so a replacement prompt starts and each batch stays full of groups that
+    teach something. Counted per step as `filtered_groups`."""
+
 
 class EnvConfig(_Section, frozen=True):
     name: str = ""

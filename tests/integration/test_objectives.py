@@ -1,5 +1,5 @@
-"""Each policy objective and several updates per batch learn the tiny preset's reward, as the
-default does (tests/integration/test_train.py), in a real run."""
+"""Each policy objective, several updates per batch and dynamic sampling learn the tiny preset's
+reward, as the default does (tests/integration/test_train.py), in a real run."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from rollflow.config import load_config
 from rollflow.controller import train
+from rollflow.ledger import summarize
 
 pytestmark = pytest.mark.integration
 
@@ -14,8 +15,8 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize(
     "overrides",
     [["loss.objective=gspo", "loss.eps_low=0.003", "loss.eps_high=0.004"], ["loss.objective=cispo"],
-     ["trainer.mini_batches=4"]],
-    ids=["gspo", "cispo", "mini_batches_4"],
+     ["trainer.mini_batches=4"], ["rollout.filter_equal_rewards=true"]],
+    ids=["gspo", "cispo", "mini_batches_4", "filter_equal_rewards"],
 )
 @pytest.mark.timeout(600)
 async def test_the_tiny_preset_learns_its_reward(tmp_path, overrides):
@@ -25,3 +26,4 @@ async def test_the_tiny_preset_learns_its_reward(tmp_path, overrides):
     assert last > first + 0.1, rewards
     if "trainer.mini_batches=4" in overrides:
         assert max(m["clip_frac"] for m in result.metrics) > 0
+    assert summarize(tmp_path).ok  # filtered groups included: every prompt accounted for once

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 
+import msgspec
 import pytest
 
 from rollflow.buffer import Admission, lags, withhold_stale
@@ -191,3 +192,31 @@ async def test_startup_objects_are_kept_out_of_the_collector_while_the_run_train
     # Frozen during every step (the libraries imported by then number in the thousands at least).
     assert len(trainer.frozen) == 2 and all((n > 1000) if enabled else (n == 0) for n in trainer.frozen)
     assert gc.get_freeze_count() == 0  # undone when the run ends
+
+
+@pytest.mark.timeout(60)
+async def test_groups_with_equal_rewards_are_filtered_and_replaced(tmp_path, tiny_config, record_groups):
+    """Dynamic sampling: a group whose rewards are all equal is dropped as filtered, its room goes
+    back at once, every batch stays full of groups with a signal, and the ledger audits clean."""
+    from rollflow.ledger import summarize
+
+    def half_constant(prompts, completions, **kwargs):  # the prompts of odd length teach nothing
+        if len(prompts[0]) % 2:
+            return [0.5] * len(completions)
+        return [float(i % 2) for i in range(len(completions))]
+
+    config = tiny_config(max_steps=4)
+    config = msgspec.structs.replace(config, rollout=msgspec.structs.replace(config.rollout, filter_equal_rewards=True))
+    controller = Controller(
+        config, tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
+        tokenizer=FakeTokenizer(), reward_funcs={"half_constant": half_constant},
+    )
+    result = await asyncio.wait_for(controller.run(), 60)
+    assert result.steps == 4 and all(m["samples"] == 16 for m in result.metrics)  # every batch full
+    assert all(len({s.reward for s in g.samples}) > 1 for g in record_groups)
+    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    filtered = [e for e in ledger if e.get("reason") == "filtered: equal rewards"]
+    assert filtered and 0 < sum(m["filtered_groups"] for m in result.metrics) <= len(filtered)
+    assert result.dropped.get("filtered") == len(filtered)
+    audit = summarize(tmp_path)
+    assert audit.ok, audit.format()

@@ -108,6 +108,8 @@ class Producer:
         """Ids of every prompt drawn, in order."""
         self.group_seq = 0
         self.generated_tokens = 0
+        self.filtered = 0
+        """Groups dropped because their rewards were all equal (`rollout.filter_equal_rewards`)."""
         self.engine_busy_s = 0.0
         """Wall time with at least one group generating (the engine's busy time)."""
         self._busy_since: float | None = None
@@ -310,6 +312,12 @@ class Producer:
                 scale_std=cfg.loss.scale_std,
             )
             credit = [None if t is None else [cfg.scoring.process_coef * a for a in t] for t in per_token]
+        if cfg.rollout.filter_equal_rewards and _teaches_nothing(scored, credit):
+            # Not a failure (the stop rule does not count it): early on, most groups of a hard task are.
+            self._drop(entry, "filtered: equal rewards")
+            self.filtered += 1
+            await self.admission.release(len(scored))
+            return
         await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages, token_advantages=credit))
         entry.settled = True
         self.stall.buffered()
@@ -354,3 +362,9 @@ class Producer:
 
     def close(self) -> None:
         self._teacher_thread.shutdown(wait=False)
+
+
+def _teaches_nothing(scored: list[Sample], credit: list[list[float] | None]) -> bool:
+    """Every scored reward is the same and no token has process credit: a zero gradient."""
+    rewards = {s.reward for s in scored if s.reward is not None}
+    return len(rewards) <= 1 and not any(a for c in credit if c is not None for a in c)

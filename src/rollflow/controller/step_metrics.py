@@ -113,6 +113,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     """Wall time with at least one group generating (cumulative)."""
     engine_restarts: int
     """Engines replaced after a death (cumulative)."""
+    filtered_groups: int = 0
+    """Groups dropped during the step's interval because every reward was equal (`rollout.filter_equal_rewards`)."""
     loop_lag_ms_mean: float
     """Mean event-loop lag since the last step (ms)."""
     loop_lag_ms_max: float

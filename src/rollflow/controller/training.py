@@ -100,7 +100,7 @@ class TrainingLoop:
         run = self.config.run
         for step in range(self.first_step, run.max_steps):
             t0 = self.clock()
-            before = (self.producer.generated_tokens, self.producer.busy_total())
+            before = (self.producer.generated_tokens, self.producer.busy_total(), self.producer.filtered)
             groups = await self._take_or_stop(run.groups_per_step)
             if groups is None:
                 break
@@ -187,7 +187,7 @@ class TrainingLoop:
         self,
         step: int,
         times: tuple[float, float, float, float],
-        before: tuple[int, float],
+        before: tuple[int, float, int],
         stats: dict[str, Any],
         trained: dict[str, float],
         staged: int,
@@ -221,6 +221,7 @@ class TrainingLoop:
                 "buffer_groups": len(self.buffer),
                 "engine_busy_s": busy,
                 "engine_restarts": self.supervisor.restarts,
+                "filtered_groups": self.producer.filtered - before[2],
                 **self.loop_lag.take(),
                 "wall_s": t_sync - self.began + self.wall_offset,
                 **evaluated,
