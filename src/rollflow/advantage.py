@@ -92,3 +92,12 @@ def process_advantages(
             for t in range(end + 1):  # every token up to the step's end earns it
                 tokens[t] += normalised
     return out
+
+
+def overlong_penalty(length: int, budget: int, buffer: int) -> float:
+    """DAPO's soft overlong penalty for a completion of `length` tokens under a `budget`: 0 up to
+    `budget - buffer` tokens, then falling linearly to -1 at the budget (and -1 beyond)."""
+    free = budget - buffer
+    if length <= free:
+        return 0.0
+    return max(-1.0, (free - length) / buffer)

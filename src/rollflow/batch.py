@@ -58,6 +58,7 @@ def build_batch(
     max_tokens: int,
     reward_name: str,
     distill_coef: float = 0.0,
+    filter_overlong: bool = False,
 ) -> tuple[TrainBatch, dict[str, Any]]:
     """The batch of optimizer step `step` from its groups, and the batch's metrics.
 
@@ -66,8 +67,10 @@ def build_batch(
     withheld from the loss (`buffer.withhold_stale`) while their sample keeps its advantage.
     Samples with teacher log-probs get per-token reverse-KL advantages (`train_sample`) and the
     batch's `teacher_kl` (mean of behaviour − teacher log-prob over their tokens).
+    `filter_overlong`: samples cut at the token budget keep their place (and their reward in the
+    baseline) but none of their tokens is in the loss (`overlong_filtered`).
     """
-    samples, all_lags, sample_lags, withheld, loss_lag_max = [], [], [], 0, 0
+    samples, all_lags, sample_lags, withheld, loss_lag_max, overlong = [], [], [], 0, 0, 0
     rewards: list[float] = []
     turns: list[int] = []
     kl_terms: list[float] = []
@@ -94,6 +97,9 @@ def build_batch(
                 parts.setdefault(name, []).append(value)
             mask, n = withhold_stale(sample.versions, sample.loss_mask, step, max_lag)
             withheld += n
+            if filter_overlong and sample.finish_reason == "length":
+                mask = [0] * len(mask)
+                overlong += 1
             token_lags = lags(sample.versions, step)
             for lag, kept in zip(token_lags, mask, strict=True):
                 if kept and lag > loss_lag_max:
@@ -125,6 +131,7 @@ def build_batch(
         "loss_lag_max": loss_lag_max,
         "unscorable": sum(unscorable.values()),
         "unscorable_by_reason": unscorable,
+        "overlong_filtered": overlong,
     }
     if kl_terms:
         stats["teacher_kl"] = sum(kl_terms) / len(kl_terms)

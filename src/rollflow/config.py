@@ -161,6 +161,15 @@ class RolloutConfig(_Section, frozen=True):
     goes back at once, so a replacement prompt starts and each batch stays full of groups that
     teach something. Counted per step as `filtered_groups`."""
 
+    overlong: Literal["none", "filter", "soft"] = "none"
+    """Completions cut at the token budget (finish reason `length`): `filter` leaves them out of
+    the loss while their reward still counts in the group's baseline (`overlong_filtered` per
+    step); `soft` adds DAPO's length penalty to the reward, 0 up to `overlong_buffer` tokens before
+    the budget, falling linearly to -1 at the budget."""
+
+    overlong_buffer: NonNegInt = 0
+    """With `overlong = "soft"`: the last this many tokens of the budget, over which the penalty grows."""
+
 
 class EnvConfig(_Section, frozen=True):
     name: str = ""
@@ -683,6 +692,12 @@ def training_problems(config: Config) -> list[str]:
         problems.append(
             f"engine.max_loras: {engine.max_loras} adapters cannot hold every version still in use with "
             f"run.max_lag = {config.run.max_lag} (at least max_lag + 2 = {config.run.max_lag + 2}; 0 picks that)"
+        )
+    budget = config.env.max_tokens if config.env.name else config.sampling.max_tokens
+    if config.rollout.overlong == "soft" and not 0 < config.rollout.overlong_buffer < budget:
+        problems.append(
+            f'rollout.overlong_buffer: the "soft" penalty needs a buffer between 1 and the token budget - 1 '
+            f"({budget - 1}); got {config.rollout.overlong_buffer}"
         )
     if config.run.eval_every and not config.run.eval_prompts:
         problems.append("run.eval_every: evaluating during training needs held-out prompts (run.eval_prompts > 0)")

@@ -54,3 +54,34 @@ def test_process_advantages_by_hand():
     assert process_advantages([[(0, 1.0)], [(1, 1.0)]], [2, 2]) == [[0.0, 0.0], [0.0, 0.0]]
     with pytest.raises(ValueError, match="outside"):
         process_advantages([[(5, 1.0)], [(0, 0.0)]], [2, 2])
+
+
+def test_dapos_soft_overlong_penalty_by_hand():
+    from rollflow.advantage import overlong_penalty
+
+    # Budget 100, buffer 20: free up to 80 tokens, then -1/20 per token, -1 at the budget.
+    assert [overlong_penalty(n, 100, 20) for n in (10, 80, 81, 90, 100, 120)] == [0.0, 0.0, -0.05, -0.5, -1.0, -1.0]
+
+
+def test_overlong_filter_keeps_the_reward_in_the_baseline_but_not_the_tokens_in_the_loss():
+    from rollflow.batch import build_batch
+    from rollflow.records import Group, Prompt, Sample, SamplingSpec
+
+    def sample(i, finish, reward):
+        return Sample(
+            prompt_id="p", group_id="g", index=i, prompt_token_ids=[1], completion_token_ids=[5, 6, 7],
+            logprobs=[-1.0] * 3, versions=[0] * 3, loss_mask=[1] * 3, finish_reason=finish,
+            sampling=SamplingSpec(), reward=reward,
+        )
+
+    group = Group(
+        prompt=Prompt(id="p", token_ids=[1]),
+        samples=[sample(0, "stop", 1.0), sample(1, "length", 0.0), sample(2, "stop", 0.5)],
+        advantages=[1.0, -1.0, 0.0],  # computed with the cut sample's reward in the group
+    )
+    batch, stats = build_batch(0, [group], max_lag=0, max_tokens=3, reward_name="r", filter_overlong=True)
+    assert [s.loss_mask for s in batch.samples] == [[1, 1, 1], [0, 0, 0], [1, 1, 1]]
+    assert [s.advantage for s in batch.samples] == [1.0, -1.0, 0.0] and stats["overlong_filtered"] == 1
+    assert stats["reward_mean"] == pytest.approx(0.5)  # its reward still counts
+    _, plain = build_batch(0, [group], max_lag=0, max_tokens=3, reward_name="r")
+    assert plain["overlong_filtered"] == 0

@@ -110,6 +110,7 @@ def test_the_cli_refuses_greedy_training_with_exit_code_2(tmp_path, capsys, monk
         (["run.weight_transport=nccl"], 'run.weight_transport: "nccl" needs'),
         (["run.eval_every=5"], r"run.eval_every: evaluating during training needs held-out prompts"),
         (['env.name="calculator"', 'data.template="raw"'], r"data.template: environments render conversations"),
+        (["rollout.overlong=soft"], r'rollout.overlong_buffer: the "soft" penalty needs a buffer between 1 and'),
         (["run.eval_prompts=8", "run.eval_pass_k=4"], r"run.eval_pass_k: pass@k is measured by the evaluations"),
     ],
 )

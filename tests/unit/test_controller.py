@@ -220,3 +220,22 @@ async def test_groups_with_equal_rewards_are_filtered_and_replaced(tmp_path, tin
     assert result.dropped.get("filtered") == len(filtered)
     audit = summarize(tmp_path)
     assert audit.ok, audit.format()
+
+
+@pytest.mark.timeout(60)
+async def test_soft_overlong_penalty_is_added_to_each_reward_as_a_part(tmp_path, tiny_config, record_groups):
+    from rollflow.advantage import overlong_penalty
+
+    config = tiny_config(max_tokens=12, max_steps=2)
+    rollout = msgspec.structs.replace(config.rollout, overlong="soft", overlong_buffer=6)
+    controller = Controller(
+        msgspec.structs.replace(config, rollout=rollout), tmp_path, engine=FakeEngine(), trainer=FakeTrainer(),
+        transport=NullTransport(), tokenizer=FakeTokenizer(),
+    )
+    result = await asyncio.wait_for(controller.run(), 60)
+    samples = [s for g in record_groups for s in g.samples if s.reward is not None]
+    assert any(s.reward_parts["overlong"] < 0 for s in samples)
+    for s in samples:
+        assert s.reward_parts["overlong"] == overlong_penalty(s.num_tokens, 12, 6)
+        assert s.reward == pytest.approx(s.reward_parts["digits"] + s.reward_parts["overlong"])
+    assert all("overlong" in m["rewards"] for m in result.metrics)

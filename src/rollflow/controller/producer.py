@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from rollflow.advantage import group_advantages, process_advantages
+from rollflow.advantage import group_advantages, overlong_penalty, process_advantages
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import PendingGroup
 from rollflow.config import Config
@@ -298,6 +298,8 @@ class Producer:
             )
             for sample, r in zip(samples, results, strict=True)
         ]
+        if cfg.rollout.overlong == "soft":
+            scored = [self._length_penalised(s) for s in scored]
         self.trace.span("reward", "reward", began, self.clock(), prompt=prompt.id, rewards=[s.reward for s in scored])
         if all(s.reward is None for s in scored):
             self._fail(entry, f"unscorable: {scored[0].unscorable}")
@@ -321,6 +323,17 @@ class Producer:
         await self.buffer.put(Group(prompt=prompt, samples=scored, advantages=adv.advantages, token_advantages=credit))
         entry.settled = True
         self.stall.buffered()
+
+    def _length_penalised(self, sample: Sample) -> Sample:
+        """The sample's reward with DAPO's soft overlong penalty added (as the part `overlong`)."""
+        if sample.reward is None:
+            return sample
+        cfg = self.config
+        budget = cfg.env.max_tokens if self.env is not None else cfg.sampling.max_tokens
+        penalty = overlong_penalty(sample.num_tokens, budget, cfg.rollout.overlong_buffer)
+        parts: dict[str, float] = dict(sample.reward_parts or {cfg.run.reward: sample.reward})
+        parts["overlong"] = penalty
+        return msgspec.structs.replace(sample, reward=sample.reward + penalty, reward_parts=parts)
 
     async def _teacher_logprobs(
         self, samples: list[Sample], results: list[Scored]

@@ -53,6 +53,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     """Samples left out of the batch because they could not be scored."""
     unscorable_by_reason: dict[str, int]
     """Those samples by reason."""
+    overlong_filtered: int = 0
+    """Samples cut at the token budget left out of the loss (`rollout.overlong = "filter"`)."""
     teacher_kl: float | None = None
     """On-policy distillation: mean of behaviour minus teacher log-prob over the batch's tokens."""
     teacher_gap_abs_max: float | None = None

@@ -174,6 +174,7 @@ class TrainingLoop:
             max_tokens=cfg.env.max_tokens if self.producer.env else cfg.sampling.max_tokens,
             reward_name=cfg.run.reward,
             distill_coef=cfg.scoring.distill_coef,
+            filter_overlong=cfg.rollout.overlong == "filter",
         )
 
     def _trace_step(self, step: int, began: float, ended: float, samples: int) -> None:
