@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rollflow.config import load_config
 from rollflow.controller import train
@@ -155,6 +156,17 @@ def test_two_trainer_ranks_under_torchrun(tmp_path, lora):
     entries = ledger(tmp_path)
     assert len([e for e in entries if e["outcome"] == "trained"]) == 12
     assert "steps=3" in done.stdout
+    # final/ was gathered from both ranks' shards; the last checkpoint's shards, read back in one
+    # process, hold the same tensors.
+    from safetensors.torch import load_file
+
+    from rollflow.export import export_checkpoint
+
+    exported = export_checkpoint(tmp_path, out=tmp_path / "exported")
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    gathered, single = load_file(tmp_path / "final" / name), load_file(exported / name)
+    assert gathered.keys() == single.keys() and gathered
+    assert all(torch.equal(gathered[k], single[k]) for k in gathered)
 
 
 def test_an_error_on_rank_0_mid_step_ends_every_rank(tmp_path):

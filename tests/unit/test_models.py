@@ -33,3 +33,21 @@ def test_tiny_model_is_deterministic_per_seed_and_has_a_chat_template():
     text = tokenizer.decode(ids)
     assert text.startswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>") and text.endswith("<|im_start|>assistant\n")
     assert tokenizer.decode(tokenizer.encode("The answer is 42.")) == "The answer is 42."
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_corrupt_weight_file_is_named_when_the_model_is_resolved(tmp_path, damage):
+    import shutil
+
+    from rollflow.errors import ModelNotFoundError
+    from rollflow.models import tiny_model_path
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_path(0), folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"\xff" * 64 if damage == "garbage" else data[: len(data) // 2])
+    unreadable = r"model.safetensors is not a readable safetensors file .*truncated or corrupt"
+    with pytest.raises(ModelNotFoundError, match=unreadable):
+        resolve_model(str(folder))
+    assert resolve_model(str(tiny_model_path(0))) == tiny_model_path(0).resolve()

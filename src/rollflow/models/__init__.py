@@ -38,12 +38,29 @@ def resolve_model(ref: str) -> Path:
         return smollm2_path()
     path = Path(ref).expanduser()
     if (path / "config.json").is_file():
+        check_weight_files(path)
         return path.resolve()
     what = "does not exist" if not path.exists() else "has no config.json"
     raise ModelNotFoundError(
         f"model.path {ref!r}: {what}; expected a local Hugging Face model folder or one of "
         f"{', '.join(BUILTIN)} (rollflow never downloads models)"
     )
+
+
+def check_weight_files(folder: Path) -> None:
+    """Every safetensors file of a model folder has a readable header whose tensors fit the file
+    (a truncated or corrupt download fails here naming the file, not deep inside a loader)."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(file, framework="pt") as f:
+                f.keys()
+        except Exception as err:  # safetensors' own error type, or an OSError
+            raise ModelNotFoundError(
+                f"model.path {str(folder)!r}: {file.name} is not a readable safetensors file ({err}); "
+                "the file is truncated or corrupt: copy or export the model again"
+            ) from None
 
 
 def load_tokenizer(path: Path):  # -> transformers PreTrainedTokenizerBase
