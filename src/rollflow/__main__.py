@@ -166,10 +166,11 @@ def _serve_engine(args: argparse.Namespace) -> int:
     import shlex
 
     from rollflow.config import load_config
-    from rollflow.engine.environment import serve_command, serve_environment
+    from rollflow.engine.environment import check_kv_cache, serve_command, serve_environment
     from rollflow.models import resolve_model
 
     config = load_config(args.config, preset=args.preset, overrides=args.overrides)
+    check_kv_cache(resolve_model(config.model.path), config.engine, config.model.dtype)
     command = serve_command(
         resolve_model(config.model.path), config.engine, host=args.host, port=args.port, dtype=config.model.dtype
     )

@@ -51,3 +51,18 @@ def test_a_corrupt_weight_file_is_named_when_the_model_is_resolved(tmp_path, dam
     with pytest.raises(ModelNotFoundError, match=unreadable):
         resolve_model(str(folder))
     assert resolve_model(str(tiny_model_path(0))) == tiny_model_path(0).resolve()
+
+
+async def test_a_kv_cache_too_small_for_one_sequence_is_refused_in_rollflows_keys():
+    from rollflow.config import EngineConfig
+    from rollflow.engine.environment import kv_bytes_per_token
+    from rollflow.engine.vllm import VLLMEngine
+    from rollflow.errors import ConfigError
+    from rollflow.models import tiny_model_path
+
+    # The tiny model: 2 layers x 1 KV head x head_dim 64, keys and values, float32.
+    assert kv_bytes_per_token(tiny_model_path(0), "float32") == 2 * 2 * 1 * 64 * 4
+    small = EngineConfig(kv_cache_bytes=512 * 1024, max_model_len=1024)
+    refused = r"engine.kv_cache_bytes: 524288 bytes hold 512 tokens .*max_model_len = 1024"
+    with pytest.raises(ConfigError, match=refused):
+        await VLLMEngine(tiny_model_path(0), small).start()  # refused before any engine process starts

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rollflow.config import EngineConfig
+from rollflow.errors import ConfigError
 from rollflow.records import SamplingSpec
 
 WORKER_EXTENSION = "rollflow.engine.worker.WorkerExtension"
@@ -67,6 +68,34 @@ def socket_folder() -> str:
 MAX_SOCKET_FOLDER = 64
 """Longest folder for IPC sockets: vLLM adds a 37-character name, and a Unix socket's whole path
 must fit in 107 bytes."""
+
+
+def kv_bytes_per_token(model_path: str | Path, dtype: str) -> int:
+    """Bytes of KV cache one token takes in the model (keys and values of every layer)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    width = 4 if dtype == "float32" else 2
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * width
+
+
+def check_kv_cache(model_path: str | Path, config: EngineConfig, dtype: str) -> None:
+    """Refuse a KV cache that cannot hold one `engine.max_model_len` sequence, in rollflow's keys
+    (vLLM's own message, from the engine process, names settings rollflow does not have)."""
+    try:
+        per_token = kv_bytes_per_token(model_path, dtype)
+    except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError):
+        return  # an architecture this estimate does not know: vLLM checks it
+    needed = per_token * config.max_model_len
+    if config.kv_cache_bytes < needed:
+        fits = config.kv_cache_bytes // per_token
+        raise ConfigError(
+            f"engine.kv_cache_bytes: {config.kv_cache_bytes} bytes hold {fits} tokens of {model_path} "
+            f"({per_token} bytes each in {dtype}), fewer than one engine.max_model_len = {config.max_model_len} "
+            f"sequence ({needed} bytes); raise engine.kv_cache_bytes or lower engine.max_model_len"
+        )
 
 
 def sampling_params(sampling: SamplingSpec, deltas: bool = True) -> Any:

@@ -40,7 +40,7 @@ from rollflow.engine import (
     spans_to_versions,
 )
 from rollflow.engine.adapters import Adapters, AdapterSync
-from rollflow.engine.environment import engine_args, prepare_environment, sampling_params
+from rollflow.engine.environment import check_kv_cache, engine_args, prepare_environment, sampling_params
 from rollflow.errors import EngineDeadError, EngineError, RequestRefused, WeightSyncError
 from rollflow.records import SamplingSpec
 
@@ -87,6 +87,7 @@ class VLLMEngine(AdapterSync):
 
     async def start(self) -> VLLMEngine:
         """Start the engine processes (20-40 s on CPU); raises `EngineError` on failure."""
+        check_kv_cache(self.model_path, self.config, self.dtype)
         prepare_environment(self.config)
         from vllm.v1.engine.async_llm import AsyncLLM
 
