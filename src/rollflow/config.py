@@ -390,6 +390,11 @@ class ObserveConfig(_Section, frozen=True):
     loop_probe_s: Annotated[float, msgspec.Meta(gt=0.0)] = 0.05
     """How often the event-loop lag is sampled (a timer that should fire on time)."""
 
+    loop_block_warn_s: NonNegFloat = 5.0
+    """Report an event loop blocked this long (a blocking call inside async code: a reward,
+    environment or tool that sleeps or does IO synchronously), naming the code it is stuck in
+    (0: off). Nothing else of the run moves while the loop is blocked."""
+
 
 class RewardConfig(_Section, frozen=True):
     name: str

@@ -17,8 +17,12 @@ is blocking the loop that streams tokens. This module computes no training metri
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
+import threading
+import time
+import traceback
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -26,6 +30,8 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from rollflow.errors import UserInputError
+
+log = logging.getLogger(__name__)
 
 
 class MetricsSink(Protocol):
@@ -205,19 +211,52 @@ def make_sinks(
 
 
 class LoopLag:
-    """Samples how late the event loop fires a timer every `every_s` seconds."""
+    """Samples how late the event loop fires a timer every `every_s` seconds, and, from a
+    watchdog thread, reports a loop blocked for `block_warn_s` with the code it is stuck in."""
 
-    def __init__(self, every_s: float = 0.05) -> None:
+    def __init__(self, every_s: float = 0.05, *, block_warn_s: float = 0.0) -> None:
         self.every_s = every_s
+        self.block_warn_s = block_warn_s
         self._lags: list[float] = []
+        self._beat = time.monotonic()
+        """When the loop last fired the probe's timer (read by the watchdog thread)."""
 
     async def run(self) -> None:
         """Sample until cancelled."""
         loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + self.every_s
-            await asyncio.sleep(self.every_s)
-            self._lags.append(max(0.0, loop.time() - due))
+        stop = threading.Event()
+        if self.block_warn_s > 0:
+            watchdog = threading.Thread(
+                target=self._watch, args=(threading.get_ident(), stop), name="rollflow-loop-watchdog", daemon=True
+            )
+            watchdog.start()
+        try:
+            while True:
+                due = loop.time() + self.every_s
+                self._beat = time.monotonic()
+                await asyncio.sleep(self.every_s)
+                self._lags.append(max(0.0, loop.time() - due))
+        finally:
+            stop.set()
+
+    def _watch(self, loop_thread: int, stop: threading.Event) -> None:
+        reported = None
+        while not stop.wait(min(0.5, self.block_warn_s / 4)):
+            beat = self._beat
+            blocked = time.monotonic() - beat - self.every_s
+            if blocked < self.block_warn_s or reported == beat:
+                continue
+            reported = beat  # once per stall
+            frame = sys._current_frames().get(loop_thread)
+            where = "; ".join(
+                f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in traceback.extract_stack(frame)[-3:]
+            )
+            log.warning(
+                "the event loop has been blocked for %.1f s, so nothing else in the run moves; it is in %s. "
+                "A blocking call inside async code (time.sleep, synchronous IO)? Run it with asyncio.to_thread",
+                blocked,
+                where or "unknown code",
+            )
 
     def take(self) -> dict[str, float]:
         """Mean and max lag (ms) since the last call."""

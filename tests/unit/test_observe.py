@@ -227,3 +227,20 @@ async def test_evaluations_during_training_get_a_chart_and_a_report_line(tmp_pat
     metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert "eval.png" in {p.name for p in plot([tmp_path / "run"])}
     assert re.search(r"held-out accuracy +after step 2: 0.250  4: 0.750", report(tmp_path / "run"))
+
+
+async def test_a_blocked_loop_is_reported_naming_the_code_it_is_stuck_in(caplog):
+    probe = LoopLag(every_s=0.01, block_warn_s=0.3)
+    task = asyncio.create_task(probe.run())
+    await asyncio.sleep(0.05)
+
+    async def reset_that_sleeps():  # an environment's async reset() with a blocking call
+        time.sleep(1.2)
+
+    with caplog.at_level("WARNING", logger="rollflow.metrics"):
+        await reset_that_sleeps()
+        await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    (record,) = [r for r in caplog.records if "event loop has been blocked" in r.getMessage()]
+    assert "in reset_that_sleeps" in record.getMessage() and "asyncio.to_thread" in record.getMessage()

@@ -47,7 +47,7 @@ class Outputs:
         self.output_dir = output_dir
         self.write_trace = observe.trace
         self.trace = Trace(observe.trace_max_events, began=began)
-        self.loop_lag = LoopLag(observe.loop_probe_s)
+        self.loop_lag = LoopLag(observe.loop_probe_s, block_warn_s=observe.loop_block_warn_s)
         self.metrics = JsonlSink(output_dir / METRICS)
         self.ledger = JsonlSink(output_dir / LEDGER)
         self.sinks: list[MetricsSink] = [self.metrics]
