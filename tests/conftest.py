@@ -119,3 +119,28 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float, name: str = 
 def close():
     """`close(got, want, rel, name)`: see `assert_close`."""
     return assert_close
+
+
+LONGEST_FIRST = (
+    "integration/test_resume.py",
+    "integration/test_cli.py",
+    "integration/test_update_failure.py",
+    "integration/test_export.py",
+    "integration/test_train.py",
+    "integration/test_remote_engine.py",
+    "integration/test_objectives.py",
+    "integration/test_trainer_ranks.py",
+)
+"""Test files that take minutes, longest first: with one file per worker at a time
+(`--dist loadfile`), starting them first keeps both workers busy to the end."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.path.as_posix()
+        for i, name in enumerate(LONGEST_FIRST):
+            if path.endswith(name):
+                return i
+        return len(LONGEST_FIRST) + ("/integration/" not in path)  # other integration files, then unit tests
+
+    items.sort(key=rank)  # stable: the order within a file is kept
