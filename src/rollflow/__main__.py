@@ -247,9 +247,6 @@ async def _generate(args: argparse.Namespace) -> int:
 async def _eval(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rollflow.evaluate import evaluate_held_out
-    from rollflow.scoring import make_scorer
-
     if args.prompts <= 0:
         raise UserInputError(f"--prompts: expected a positive number, got {args.prompts}")
     if args.pass_k < 0:
@@ -259,25 +256,29 @@ async def _eval(args: argparse.Namespace) -> int:
     engine, tokenizer = await _started_engine(config, console)
     try:
         with console.status("evaluating") as status:
-            held_out = await evaluate_held_out(
-                engine,
-                config,
-                tokenizer,
-                make_scorer(config.run.reward),
-                prompts=args.prompts,
-                pass_k=args.pass_k,
-                on_sample=_counting(status, "evaluating", args.prompts * (1 + args.pass_k)),
-            )
+            progress = _counting(status, "evaluating", args.prompts * (1 + args.pass_k))
+            report = await eval_report(engine, config, tokenizer, args.prompts, args.pass_k, on_sample=progress)
     finally:
         await engine.aclose()
-    report = {"model": config.model.path, "task": config.data.task, "reward": config.run.reward}
-    report |= {"eval_seed": config.run.eval_seed} | held_out.as_dict()
     text = json.dumps(report)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
     print(text)
     return 0
+
+
+async def eval_report(engine, config, tokenizer, prompts: int, pass_k: int, on_sample=None) -> dict:
+    """What `eval` prints: the model, task and reward, and the held-out scores on `engine`."""
+    from rollflow.evaluate import evaluate_held_out
+    from rollflow.scoring import make_scorer
+
+    scorer = make_scorer(config.run.reward)
+    held_out = await evaluate_held_out(
+        engine, config, tokenizer, scorer, prompts=prompts, pass_k=pass_k, on_sample=on_sample
+    )
+    report = {"model": config.model.path, "task": config.data.task, "reward": config.run.reward}
+    return report | {"eval_seed": config.run.eval_seed} | held_out.as_dict()
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """The trained policy out of a run: `final/` at the end, `rollflow export` from a checkpoint. The
 folders load with transformers, vLLM and peft and generate what the trainer's weights generate;
-a new run starts from `final/`; `generate --run` and `eval` sample from it."""
+a new run starts from `final/`; `eval`'s report on it reproduces the run's own evaluation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from rollflow.config import EngineConfig, load_config
+from rollflow.__main__ import eval_report
+from rollflow.config import load_config
 from rollflow.controller import Controller, RunResult
 from rollflow.export import export_checkpoint
 from rollflow.models import tiny_model_path
@@ -64,13 +65,24 @@ async def test_final_model_generates_as_the_trainer_in_transformers_and_vllm_and
     assert want != greedy_of(AutoModelForCausalLM.from_pretrained(tiny_model_path(0)).eval(), PROMPT, 16)
     assert greedy_of(loaded, PROMPT, 16) == want
 
-    engine = VLLMEngine(final, EngineConfig(kv_cache_bytes=64 * 1024 * 1024, max_model_len=256, max_num_seqs=4))
+    # vLLM serves final/ as the trainer's weights; `eval`'s report on it reproduces the run's own
+    # after-training accuracy (the same held-out prompts); a new run starts from it (on that engine).
+    config = load_config(preset="tiny", overrides=[f'model.path="{final}"', "run.max_steps=1", "observe.sinks=[]"])
+    engine = VLLMEngine(final, config.engine)
     await engine.start()
     try:
         out = await engine.generate(PROMPT, SamplingSpec(temperature=0.0, max_tokens=16, ignore_eos=True), "final")
+        assert out.token_ids == want
+        run_config = load_config(run / "config.toml", overrides=[f'model.path="{final}"'])
+        report = await eval_report(engine, run_config, load_tokenizer(final), 6, 2)
+        assert result.eval_after is not None and report["accuracy"] == pytest.approx(result.eval_after.accuracy)
+        assert report["prompts"] == 6 and report["k"] == 2 and 0.0 <= report["pass_at_k"] <= 1.0
+        assert report["model"] == str(final) and json.loads(json.dumps(report)) == report
+        second = await Controller(config, tmp_path / "second", engine=engine).run()
     finally:
         await engine.aclose()
-    assert out.token_ids == want
+    assert second.steps == 1
+    assert greedy_of(AutoModelForCausalLM.from_pretrained(tmp_path / "second" / "final").eval(), PROMPT, 4)
 
     # The same folder from the checkpoint of step 2 (the run's last), through the command line.
     exported = tmp_path / "exported"
@@ -82,26 +94,6 @@ async def test_final_model_generates_as_the_trainer_in_transformers_and_vllm_and
     assert done.stdout.strip() == str(exported.absolute())
     again = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
     assert all(torch.equal(again.state_dict()[k], v) for k, v in loaded.state_dict().items())
-
-    # `eval --run` scores the same held-out prompts on final/ as the run did after its last step.
-    report_file = tmp_path / "eval.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "rollflow", "eval", "--run", str(run), "--prompts", "6", "--pass-k", "2",
-         "--out", str(report_file), "--set", "engine.kv_cache_bytes=67108864"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(report_file.read_text())
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == report
-    assert result.eval_after is not None and report["accuracy"] == pytest.approx(result.eval_after.accuracy)
-    assert report["prompts"] == 6 and report["k"] == 2 and 0.0 <= report["pass_at_k"] <= 1.0
-    assert report["model"] == str(final)
-
-    # A new run starts from the trained model.
-    config = load_config(preset="tiny", overrides=[f'model.path="{final}"', "run.max_steps=1", "observe.sinks=[]"])
-    second = await Controller(config, tmp_path / "second").run()
-    assert second.steps == 1
-    assert greedy_of(AutoModelForCausalLM.from_pretrained(tmp_path / "second" / "final").eval(), PROMPT, 4)
 
 
 @pytest.mark.timeout(600)
