@@ -251,13 +251,15 @@ async def _eval(args: argparse.Namespace) -> int:
         raise UserInputError(f"--prompts: expected a positive number, got {args.prompts}")
     if args.pass_k < 0:
         raise UserInputError(f"--pass-k: expected 0 or more samples per prompt, got {args.pass_k}")
+    from rollflow.evaluate import held_out_report
+
     console = Console(stderr=True)
     config = _model_config(args)
     engine, tokenizer = await _started_engine(config, console)
     try:
         with console.status("evaluating") as status:
             progress = _counting(status, "evaluating", args.prompts * (1 + args.pass_k))
-            report = await eval_report(engine, config, tokenizer, args.prompts, args.pass_k, on_sample=progress)
+            report = await held_out_report(engine, config, tokenizer, args.prompts, args.pass_k, on_sample=progress)
     finally:
         await engine.aclose()
     text = json.dumps(report)
@@ -266,19 +268,6 @@ async def _eval(args: argparse.Namespace) -> int:
         args.out.write_text(text + "\n")
     print(text)
     return 0
-
-
-async def eval_report(engine, config, tokenizer, prompts: int, pass_k: int, on_sample=None) -> dict:
-    """What `eval` prints: the model, task and reward, and the held-out scores on `engine`."""
-    from rollflow.evaluate import evaluate_held_out
-    from rollflow.scoring import make_scorer
-
-    scorer = make_scorer(config.run.reward)
-    held_out = await evaluate_held_out(
-        engine, config, tokenizer, scorer, prompts=prompts, pass_k=pass_k, on_sample=on_sample
-    )
-    report = {"model": config.model.path, "task": config.data.task, "reward": config.run.reward}
-    return report | {"eval_seed": config.run.eval_seed} | held_out.as_dict()
 
 
 def _export(args: argparse.Namespace) -> int:

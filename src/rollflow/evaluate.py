@@ -165,3 +165,24 @@ async def evaluate_held_out(
     greedy = await run(sampling_spec(config, greedy=True), 1)
     sampled = await run(sampling_spec(config), pass_k) if pass_k > 0 else None
     return HeldOut(greedy=greedy, sampled=sampled)
+
+
+async def held_out_report(
+    engine: Engine,
+    config: Config,
+    tokenizer: Any,
+    prompts: int,
+    pass_k: int,
+    *,
+    on_sample: Callable[[Sample], None] | None = None,
+) -> dict[str, Any]:
+    """What `python -m rollflow eval` prints: the model, task and reward, and the held-out scores
+    on `engine` (scored with `run.reward`)."""
+    from rollflow.scoring import make_scorer
+
+    scorer = make_scorer(config.run.reward)
+    held_out = await evaluate_held_out(
+        engine, config, tokenizer, scorer, prompts=prompts, pass_k=pass_k, on_sample=on_sample
+    )
+    report = {"model": config.model.path, "task": config.data.task, "reward": config.run.reward}
+    return report | {"eval_seed": config.run.eval_seed} | held_out.as_dict()

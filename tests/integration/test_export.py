@@ -11,24 +11,17 @@ import sys
 import pytest
 import torch
 
-from rollflow.__main__ import eval_report
 from rollflow.config import load_config
 from rollflow.controller import Controller, RunResult
+from rollflow.evaluate import held_out_report
 from rollflow.export import export_checkpoint
 from rollflow.models import tiny_model_path
 from rollflow.records import SamplingSpec
+from rollflow.testing import greedy_tokens
 
 pytestmark = pytest.mark.integration
 
 PROMPT = [1, 735, 202, 276, 261, 264, 277, 281, 34, 2, 202, 1, 871, 202]
-
-
-def greedy_of(lm, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(lm(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 async def trained(tmp_path, *overrides: str) -> tuple[Controller, RunResult]:
@@ -61,9 +54,9 @@ async def test_final_model_generates_as_the_trainer_in_transformers_and_vllm_and
     loaded = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
     for name, tensor in trainer_lm.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
-    want = greedy_of(trainer_lm, PROMPT, 16)
-    assert want != greedy_of(AutoModelForCausalLM.from_pretrained(tiny_model_path(0)).eval(), PROMPT, 16)
-    assert greedy_of(loaded, PROMPT, 16) == want
+    want = greedy_tokens(trainer_lm, PROMPT, 16)
+    assert want != greedy_tokens(AutoModelForCausalLM.from_pretrained(tiny_model_path(0)).eval(), PROMPT, 16)
+    assert greedy_tokens(loaded, PROMPT, 16) == want
 
     # vLLM serves final/ as the trainer's weights; `eval`'s report on it reproduces the run's own
     # after-training accuracy (the same held-out prompts); a new run starts from it (on that engine).
@@ -74,7 +67,7 @@ async def test_final_model_generates_as_the_trainer_in_transformers_and_vllm_and
         out = await engine.generate(PROMPT, SamplingSpec(temperature=0.0, max_tokens=16, ignore_eos=True), "final")
         assert out.token_ids == want
         run_config = load_config(run / "config.toml", overrides=[f'model.path="{final}"'])
-        report = await eval_report(engine, run_config, load_tokenizer(final), 6, 2)
+        report = await held_out_report(engine, run_config, load_tokenizer(final), 6, 2)
         assert result.eval_after is not None and report["accuracy"] == pytest.approx(result.eval_after.accuracy)
         assert report["prompts"] == 6 and report["k"] == 2 and 0.0 <= report["pass_at_k"] <= 1.0
         assert report["model"] == str(final) and json.loads(json.dumps(report)) == report
@@ -82,7 +75,7 @@ async def test_final_model_generates_as_the_trainer_in_transformers_and_vllm_and
     finally:
         await engine.aclose()
     assert second.steps == 1
-    assert greedy_of(AutoModelForCausalLM.from_pretrained(tmp_path / "second" / "final").eval(), PROMPT, 4)
+    assert greedy_tokens(AutoModelForCausalLM.from_pretrained(tmp_path / "second" / "final").eval(), PROMPT, 4)
 
     # The same folder from the checkpoint of step 2 (the run's last), through the command line.
     exported = tmp_path / "exported"
@@ -103,18 +96,18 @@ async def test_a_lora_runs_final_is_a_peft_adapter_and_merged_export_is_the_same
 
     run = tmp_path / "run"
     controller, _ = await trained(run, "trainer.lora.enabled=true", "trainer.lr=0.02")
-    want = greedy_of(controller.trainer.lm.eval(), PROMPT, 16)
+    want = greedy_tokens(controller.trainer.lm.eval(), PROMPT, 16)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path(0)).eval()
-    assert want != greedy_of(base, PROMPT, 16), "the adapter must change the model for the test to mean anything"
+    assert want != greedy_tokens(base, PROMPT, 16), "the adapter must change the model for the test to mean anything"
     final = run / "final"
     adapter = json.loads((final / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(tiny_model_path(0)) and adapter["r"] == 8
     with_adapter = PeftModel.from_pretrained(base, final).eval()
-    assert greedy_of(with_adapter, PROMPT, 16) == want
+    assert greedy_tokens(with_adapter, PROMPT, 16) == want
 
     merged = export_checkpoint(run, merged=True)
     assert merged == run / "export" / "step-2-merged"
-    assert greedy_of(AutoModelForCausalLM.from_pretrained(merged).eval(), PROMPT, 16) == want
+    assert greedy_tokens(AutoModelForCausalLM.from_pretrained(merged).eval(), PROMPT, 16) == want
     assert not (merged / "adapter_config.json").exists()
 
 

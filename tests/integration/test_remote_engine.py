@@ -18,6 +18,7 @@ from rollflow.config import EngineConfig, load_config
 from rollflow.controller import Controller
 from rollflow.engine.remote import RemoteEngine
 from rollflow.records import SamplingSpec
+from rollflow.testing import greedy_tokens
 
 pytestmark = pytest.mark.integration
 
@@ -186,19 +187,9 @@ async def test_a_training_run_generates_on_the_server_and_its_weights_reach_it(s
     assert result.steps == 3 and all(m["tokens"] > 0 for m in result.metrics)
     async with RemoteEngine(server, CONFIG) as check:
         out = await check.generate(PROMPT, SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True), "check")
-        assert out.token_ids == greedy_of(controller.trainer.lm.eval(), PROMPT, 12)
+        assert out.token_ids == greedy_tokens(controller.trainer.lm.eval(), PROMPT, 12)
         assert out.token_ids != model_a.greedy(PROMPT, 12)[0]  # the server holds the trained weights
         await check.update_weights(model_a.state_dict())
-
-
-def greedy_of(lm, prompt: list[int], n: int) -> list[int]:
-    import torch
-
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(lm(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 @pytest.mark.timeout(900)
@@ -228,7 +219,7 @@ async def test_a_pool_of_two_servers_survives_losing_one(server, tmp_path, model
         async with RemoteEngine(server, CONFIG) as check:
             spec = SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True)
             out = await check.generate(PROMPT, spec, "pool-check")
-            assert out.token_ids == greedy_of(controller.trainer.lm.eval(), PROMPT, 12)
+            assert out.token_ids == greedy_tokens(controller.trainer.lm.eval(), PROMPT, 12)
             await check.update_weights(model_a.state_dict())
     finally:
         second.stop()
@@ -246,7 +237,7 @@ async def test_weights_reach_every_server_of_a_pool_over_gloo(server, tmp_path, 
         controller = Controller(config, tmp_path)
         result = await controller.run()
         assert result.steps == 3 and len(controller.engine.members) == 2
-        want = greedy_of(controller.trainer.lm.eval(), PROMPT, 12)
+        want = greedy_tokens(controller.trainer.lm.eval(), PROMPT, 12)
         assert want != model_a.greedy(PROMPT, 12)[0]
         spec = SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True)
         for url in (server, second.url):

@@ -4,11 +4,12 @@ They honour the same contracts as the real components (`rollflow.engine.ManagedE
 `rollflow.trainer.TrainerBackend`, `rollflow.weight_sync.WeightTransport`, a Hugging Face
 tokenizer's `apply_chat_template` / `decode`) deterministically, so unit tests, the simulator
 and the benchmarks can drive the real controller without vLLM or a model. Nothing in a training
-run uses them.
+run uses them. `greedy_tokens` is the integration tests' reference decoding with transformers.
 """
 
 from rollflow.testing.doubles import FakeTokenizer, FakeTrainer, NullTransport
 from rollflow.testing.engine import EOS_TOKEN, FakeEngine, context_state, fake_token, mix
+from rollflow.testing.reference import greedy_tokens
 
 __all__ = [
     "EOS_TOKEN",
@@ -18,5 +19,6 @@ __all__ = [
     "NullTransport",
     "context_state",
     "fake_token",
+    "greedy_tokens",
     "mix",
 ]
