@@ -77,13 +77,15 @@ def assert_versions_exact():
     return _versions_exact
 
 
-def _make_batch(trainer, n: int = 6, seed: int = 0, **sampling) -> TrainBatch:
-    """Completions sampled from the model itself, with its own log-probs as behaviour (on-policy)."""
+def _make_batch(trainer, n: int = 6, seed: int = 0, group: int = 1, **sampling) -> TrainBatch:
+    """Completions sampled from the model itself, with its own log-probs as behaviour (on-policy);
+    `group` consecutive samples share a prompt."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     samples = []
     for i in range(n):
-        prompt = [rng.randrange(3, 800) for _ in range(rng.randint(3, 9))]
+        if i % group == 0:
+            prompt = [rng.randrange(3, 800) for _ in range(rng.randint(3, 9))]
         with torch.no_grad():
             out = trainer.lm.generate(
                 torch.tensor([prompt], device=trainer.device), do_sample=True, max_new_tokens=rng.randint(2, 12),
@@ -103,7 +105,7 @@ def _make_batch(trainer, n: int = 6, seed: int = 0, **sampling) -> TrainBatch:
 
 @pytest.fixture
 def make_batch():
-    """`make_batch(trainer, n=6, seed=0, **sampling)`: an on-policy batch from the model itself."""
+    """`make_batch(trainer, n=6, seed=0, group=1, **sampling)`: an on-policy batch from the model itself."""
     return _make_batch
 
 

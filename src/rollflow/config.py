@@ -231,8 +231,16 @@ class TrainerConfig(_Section, frozen=True):
     """Steps of the cosine schedule (required when `schedule = "cosine"`)."""
 
     micro_batch_tokens: PosInt = 4096
-    """Token budget of one micro-batch (padded prompt + completion tokens); gradients accumulate
-    over micro-batches, so the step equals one step on the whole batch."""
+    """Token budget of one micro-batch (the tokens it puts through the model, padding included);
+    gradients accumulate over micro-batches, so the step equals one step on the whole batch."""
+
+    layout: Literal["padded", "packed", "shared_prompt"] = "shared_prompt"
+    """How a micro-batch's samples are laid out: `padded`, one row per sample padded to the
+    longest; `packed`, samples end to end in one row with positions restarting per sample and
+    attention that never crosses a sample (no padding); `shared_prompt` (the default), packed with
+    each group's prompt computed once and its completions attending to it. The log-probs and
+    gradients are the same in every layout up to float rounding; only the work differs
+    (docs/training.md, `bench/packing.py`)."""
 
     loss_chunk: PosInt = 128
     """Tokens per chunk of LM-head logits in the log-prob computation."""

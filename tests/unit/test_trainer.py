@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from rollflow.config import LoRAConfig, LossConfig, TrainerConfig
-from rollflow.models import tiny_model_path
+from rollflow.models import resolve_model, tiny_model_path
 from rollflow.records import TrainSample
 from rollflow.trainer import Trainer, plan_micro_batches, plan_shards
+from rollflow.trainer.batches import pad
 
 
 def params(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -191,3 +192,68 @@ def test_several_updates_change_the_weights_once_per_update_and_cispo_gspo_train
         new = trainer.score(plain)
         gain = sum(s.advantage * (sum(n) - sum(o)) for n, o, s in zip(new, old, plain, strict=True))
         assert gain > 0, objective  # the advantage-weighted log-likelihood went up
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "model", ["tiny", pytest.param("smollm2-135m-instruct", marks=pytest.mark.integration)], ids=["tiny", "smollm2"]
+)
+def test_every_layout_gives_the_padded_log_probs_and_gradients(make_batch, close, model, lora):
+    """Packed rows and shared prompts change the work, not the result (float32)."""
+    config = TrainerConfig(lr=1e-3, micro_batch_tokens=48, lora=LoRAConfig(enabled=lora, rank=4))
+    trainers = {
+        layout: Trainer(resolve_model(model), msgspec.structs.replace(config, layout=layout))
+        for layout in ("padded", "packed", "shared_prompt")
+    }
+    batch = make_batch(trainers["padded"], n=12, group=4)
+    assert len({tuple(s.input_ids[: s.prompt_len]) for s in batch.samples}) == 3
+    # Several micro-batches in every layout, and a group split across two of them.
+    for layout in trainers:
+        assert len(plan_micro_batches(batch.samples, list(range(12)), 48, layout)) > 1
+    want_lp = trainers["padded"].score(batch.samples)
+    want_loss = trainers["padded"].accumulate(batch)[0][0].item()
+    want = trainers["padded"].gradients()
+    for layout in ("packed", "shared_prompt"):
+        got_lp = trainers[layout].score(batch.samples)
+        for g, w in zip(got_lp, want_lp, strict=True):
+            close(torch.tensor(g), torch.tensor(w), rel=1e-5, name=f"{layout} log-probs")
+        # The loss is a token mean of advantage-weighted ratios near ±1 that mostly cancel: compare
+        # on the scale of its terms.
+        assert trainers[layout].accumulate(batch)[0][0].item() == pytest.approx(want_loss, abs=1e-5)
+        got = trainers[layout].gradients()
+        assert got.keys() == want.keys() and got
+        # Float32 through 30 layers: on SmolLM2 the padded path itself, with other micro-batches,
+        # moves single elements by ~5e-5 of their tensor's scale and the whole gradient by ~5e-6
+        # of its norm; the tiny model stays within 1e-5 element-wise.
+        for k in want:
+            close(got[k], want[k], rel=1e-5 if model == "tiny" else 3e-4, name=f"{layout} {k}")
+        diff = sum(float((got[k].double() - want[k].double()).square().sum()) for k in want) ** 0.5
+        norm = sum(float(want[k].double().square().sum()) for k in want) ** 0.5
+        assert diff <= 2e-5 * norm, f"{layout}: |gradient difference| = {diff / norm:.3g} of its norm"
+
+
+def test_packed_plans_fill_the_budget_and_share_each_prompt_once():
+    prompt = [7] * 10
+    def sample(prompt: list[int], n: int) -> TrainSample:
+        return TrainSample(
+            input_ids=prompt + [1] * n, prompt_len=len(prompt), logprobs=[0.0] * n, loss_mask=[1] * n, advantage=0.0
+        )
+
+    samples = [sample(prompt, n) for n in (5, 30, 12, 3)] + [sample([8] * 6, 4)]
+    everything = list(range(5))
+    padded = plan_micro_batches(samples, everything, 64, "padded")
+    packed = plan_micro_batches(samples, everything, 64, "packed")
+    shared = plan_micro_batches(samples, everything, 64, "shared_prompt")
+    for plan in (padded, packed, shared):
+        assert sorted(i for m in plan for i in m) == everything
+    assert all(sum(len(samples[i].input_ids) for i in m) <= 64 for m in packed if len(m) > 1)
+    assert len(packed) < len(padded)
+    # 10 + 5 + 30 + 12 + 3 = 60 tokens for the first group's prompt once: one micro-batch, with
+    # the second group's 10 tokens in a second.
+    assert sorted(map(sorted, shared)) == [[0, 1, 2, 3], [4]]
+    t = pad([samples[i] for i in (0, 1, 2, 3)], torch.device("cpu"), "shared_prompt")
+    assert t["tokens"] == 60
+    # The prompt once, then each completion attending to it (prefix 0:10) and causally to itself.
+    assert t["segments"] == [(0, 10, 0, 0), (10, 15, 0, 10), (15, 45, 0, 10), (45, 57, 0, 10), (57, 60, 0, 10)]
+    assert t["positions"][0, 15].item() == 10  # the second completion's positions follow the prompt
+    assert t["gather"][5].item() == 9  # its first token is predicted by the prompt's last position

@@ -9,7 +9,7 @@ rate schedule. No optimizer and no IO here (`rollflow.trainer.model` owns the st
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from torch import nn
 from rollflow.config import TrainerConfig
 from rollflow.loss import token_logprobs
 from rollflow.records import TrainSample
+from rollflow.trainer.attention import NO_MASK, Segment
 
 
 class PolicyHead(nn.Module):
@@ -34,7 +35,9 @@ class PolicyHead(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # (B, L)
-        attention_mask: torch.Tensor,  # (B, L)
+        attention_mask: torch.Tensor | None,  # (B, L) padding, or None for a packed row
+        positions: torch.Tensor | None,  # (1, L) for a packed row
+        segments: list[Segment] | None,  # a packed row's segments (rollflow.trainer.attention)
         gather: torch.Tensor,  # (N,) flat positions whose hidden state predicts a target
         targets: torch.Tensor,  # (N,)
         temperature: float,
@@ -42,27 +45,84 @@ class PolicyHead(nn.Module):
         top_p: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         body = self.lm.get_decoder()  # type: ignore[operator]
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, L, H)
-        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather)  # (N, H)
+        extra: dict[str, Any] = {}
+        if segments is not None:
+            extra["rollflow_segments"] = segments
+            attention_mask = NO_MASK.to(input_ids.device)
+        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **extra)
+        rows = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1]).index_select(0, gather)  # (N, H)
         weight = self.lm.get_output_embeddings().weight  # type: ignore[operator]  # (V, H)
         return token_logprobs(
             rows, weight, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk=self.chunk
         )
 
 
-def plan_shards(samples: list[TrainSample], world_size: int) -> list[list[int]]:
-    """Split sample indices across ranks, balancing tokens (longest first, to the lightest rank)."""
+Layout = Literal["padded", "packed", "shared_prompt"]
+
+
+def units(samples: list[TrainSample], indices: list[int], layout: Layout) -> list[list[int]]:
+    """The indivisible parts of a plan: one sample each, or (`shared_prompt`) the samples that share
+    a prompt, which must meet in one micro-batch for their prompt to be computed once."""
+    if layout != "shared_prompt":
+        return [[i] for i in indices]
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i in indices:
+        by_prompt.setdefault(tuple(samples[i].input_ids[: samples[i].prompt_len]), []).append(i)
+    return list(by_prompt.values())
+
+
+def tokens_of(samples: list[TrainSample], unit: list[int], layout: Layout) -> int:
+    """Tokens a unit puts through the model: each sample whole, or the prompt once."""
+    if layout == "shared_prompt":
+        return samples[unit[0]].prompt_len + sum(samples[i].num_completion for i in unit)
+    return sum(len(samples[i].input_ids) for i in unit)
+
+
+def plan_shards(samples: list[TrainSample], world_size: int, layout: Layout = "padded") -> list[list[int]]:
+    """Split sample indices across ranks, balancing tokens (largest unit first, to the lightest rank)."""
     shards: list[list[int]] = [[] for _ in range(world_size)]
     load = [0] * world_size
-    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids)):
+    parts = units(samples, list(range(len(samples))), layout)
+    for unit in sorted(parts, key=lambda u: (-tokens_of(samples, u, layout), u[0])):
         rank = load.index(min(load))
-        shards[rank].append(i)
-        load[rank] += len(samples[i].input_ids)
+        shards[rank].extend(unit)
+        load[rank] += tokens_of(samples, unit, layout)
     return [sorted(s) for s in shards]
 
 
-def plan_micro_batches(samples: list[TrainSample], indices: list[int], budget: int) -> list[list[int]]:
-    """Group samples into micro-batches whose padded size (count × longest) fits `budget`."""
+def plan_micro_batches(
+    samples: list[TrainSample], indices: list[int], budget: int, layout: Layout = "padded"
+) -> list[list[int]]:
+    """Group samples into micro-batches under `budget` tokens.
+
+    `padded`: count × longest fits. `packed`: the sum of the lengths fits (first fit, longest
+    first). `shared_prompt`: a group's prompt plus its completions fits; a group too big for one
+    micro-batch is split, each part with its own copy of the prompt. A sample larger than the
+    budget gets a micro-batch of its own."""
+    if layout == "padded":
+        return _plan_padded(samples, indices, budget)
+    parts: list[list[int]] = []
+    for unit in units(samples, indices, layout):
+        part: list[int] = []
+        for i in sorted(unit, key=lambda i: -len(samples[i].input_ids)):
+            if part and tokens_of(samples, [*part, i], layout) > budget:
+                parts.append(part)
+                part = []
+            part.append(i)
+        parts.append(part)
+    bins: list[tuple[int, list[int]]] = []  # (tokens, indices)
+    for part in sorted(parts, key=lambda u: -tokens_of(samples, u, layout)):
+        size = tokens_of(samples, part, layout)
+        for k, (used, members) in enumerate(bins):
+            if used + size <= budget:
+                bins[k] = (used + size, members + part)
+                break
+        else:
+            bins.append((size, list(part)))
+    return [sorted(members) for _, members in bins]
+
+
+def _plan_padded(samples: list[TrainSample], indices: list[int], budget: int) -> list[list[int]]:
     batches: list[list[int]] = []
     current: list[int] = []
     longest = 0
@@ -91,38 +151,39 @@ def lr_factor(config: TrainerConfig):
     return factor
 
 
-def pad(samples: list[TrainSample], device: torch.device) -> dict[str, Any]:
-    """Pad a micro-batch: token ids, attention mask, gather index and per-token targets."""
+def pad(samples: list[TrainSample], device: torch.device, layout: Layout = "padded") -> dict[str, Any]:
+    """A micro-batch as tensors: token ids and how they attend (`layout`), the gather index of the
+    hidden states that predict each completion token, and the per-sample loss inputs, (B, T).
+
+    `padded`: one row per sample, padded to the longest. `packed`: one row, samples end to end,
+    positions restarting at each sample. `shared_prompt`: one row holding each group's prompt once,
+    followed by its completions, their positions continuing from the prompt's end. In both packed
+    layouts `segments` tells the attention (`rollflow.trainer.attention`) what attends to what."""
     B = len(samples)
-    L = max(len(s.input_ids) for s in samples)
     T = max(s.num_completion for s in samples)
-    ids = torch.zeros(B, L, dtype=torch.long)
-    attn = torch.zeros(B, L, dtype=torch.long)
     behaviour = torch.zeros(B, T)
     mask = torch.zeros(B, T)
     token_adv = torch.zeros(B, T)
     old = torch.zeros(B, T) if samples[0].old_logprobs is not None else None
-    gather: list[int] = []
-    targets: list[int] = []
     slots: list[int] = []
+    targets: list[int] = []
     for b, s in enumerate(samples):
-        n, c = len(s.input_ids), s.num_completion
-        ids[b, :n] = torch.tensor(s.input_ids)
-        attn[b, :n] = 1
+        c = s.num_completion
         behaviour[b, :c] = torch.tensor(s.logprobs)
         mask[b, :c] = torch.tensor(s.loss_mask, dtype=torch.float32)
         token_adv[b, :c] = torch.tensor(s.token_advantages) if s.token_advantages is not None else s.advantage
         if old is not None:
             old[b, :c] = torch.tensor(s.old_logprobs)
-        # The hidden state at position t predicts token t + 1.
-        gather.extend(b * L + t - 1 for t in range(s.prompt_len, n))
         targets.extend(s.input_ids[s.prompt_len :])
         slots.extend(b * T + j for j in range(c))
+    rows = {"padded": _padded_rows, "packed": _packed_row, "shared_prompt": _shared_prompt_row}[layout](samples)
     to = device
     return {
-        "ids": ids.to(to),
-        "attn": attn.to(to),
-        "gather": torch.tensor(gather, dtype=torch.long, device=to),
+        "ids": rows["ids"].to(to),
+        "attn": rows["attn"].to(to) if rows["attn"] is not None else None,
+        "positions": rows["positions"].to(to) if rows["positions"] is not None else None,
+        "segments": rows["segments"],
+        "gather": torch.tensor(rows["gather"], dtype=torch.long, device=to),
         "targets": torch.tensor(targets, dtype=torch.long, device=to),
         "slots": torch.tensor(slots, dtype=torch.long, device=to),
         "behaviour": behaviour.to(to),
@@ -130,4 +191,68 @@ def pad(samples: list[TrainSample], device: torch.device) -> dict[str, Any]:
         "token_adv": token_adv.to(to),
         "old": old.to(to) if old is not None else None,
         "shape": (B, T),
+        "tokens": rows["ids"].numel(),
+    }
+
+
+def _padded_rows(samples: list[TrainSample]) -> dict[str, Any]:
+    L = max(len(s.input_ids) for s in samples)
+    ids = torch.zeros(len(samples), L, dtype=torch.long)
+    attn = torch.zeros(len(samples), L, dtype=torch.long)
+    gather: list[int] = []
+    for b, s in enumerate(samples):
+        n = len(s.input_ids)
+        ids[b, :n] = torch.tensor(s.input_ids)
+        attn[b, :n] = 1
+        # The hidden state at position t predicts token t + 1.
+        gather.extend(b * L + t - 1 for t in range(s.prompt_len, n))
+    return {"ids": ids, "attn": attn, "positions": None, "segments": None, "gather": gather}
+
+
+def _packed_row(samples: list[TrainSample]) -> dict[str, Any]:
+    ids: list[int] = []
+    positions: list[int] = []
+    segments: list[Segment] = []
+    gather: list[int] = []
+    for s in samples:
+        start, n = len(ids), len(s.input_ids)
+        ids.extend(s.input_ids)
+        positions.extend(range(n))
+        segments.append((start, start + n, start, start))
+        gather.extend(start + t - 1 for t in range(s.prompt_len, n))
+    return {
+        "ids": torch.tensor([ids]),
+        "attn": None,
+        "positions": torch.tensor([positions]),
+        "segments": segments,
+        "gather": gather,
+    }
+
+
+def _shared_prompt_row(samples: list[TrainSample]) -> dict[str, Any]:
+    ids: list[int] = []
+    positions: list[int] = []
+    segments: list[Segment] = []
+    first_slot = [0]  # sample -> its first entry in the gather index (completions in sample order)
+    for s in samples:
+        first_slot.append(first_slot[-1] + s.num_completion)
+    gather = [0] * first_slot[-1]
+    for group in units(samples, list(range(len(samples))), "shared_prompt"):
+        P, p0 = samples[group[0]].prompt_len, len(ids)
+        ids.extend(samples[group[0]].input_ids[:P])
+        positions.extend(range(P))
+        segments.append((p0, p0 + P, p0, p0))
+        for b in group:
+            s, start, c = samples[b], len(ids), samples[b].num_completion
+            ids.extend(s.input_ids[P:])
+            positions.extend(range(P, P + c))
+            segments.append((start, start + c, p0, p0 + P))
+            # A completion's first token is predicted by its prompt's last position.
+            gather[first_slot[b] : first_slot[b] + c] = ([p0 + P - 1] + [start + j for j in range(c - 1)])[:c]
+    return {
+        "ids": torch.tensor([ids]),
+        "attn": None,
+        "positions": torch.tensor([positions]),
+        "segments": segments,
+        "gather": gather,
     }

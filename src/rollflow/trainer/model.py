@@ -30,6 +30,7 @@ from torch import nn
 from rollflow.config import LoRAConfig, LossConfig, TrainerConfig
 from rollflow.loss import policy_loss
 from rollflow.records import TrainBatch, TrainSample
+from rollflow.trainer.attention import use_segment_attention
 from rollflow.trainer.batches import PolicyHead, lr_factor, pad, plan_micro_batches, plan_shards
 from rollflow.trainer.export import full, merged_lora_weights, single_process_dcp
 
@@ -62,6 +63,9 @@ class Trainer:
         lm.to(self.device)  # type: ignore[arg-type]
         if config.gradient_checkpointing:
             lm.gradient_checkpointing_enable()
+        self.layout = config.layout
+        if self.layout != "padded":
+            use_segment_attention(lm)
         self.reference: PolicyHead | None = None
         if loss.kl_coef > 0 and not config.lora.enabled:
             ref = copy.deepcopy(lm).eval().requires_grad_(False)
@@ -99,7 +103,7 @@ class Trainer:
     # ---- the step -------------------------------------------------------------------------
 
     def _logprobs(self, module: PolicyHead, t: dict[str, Any], sampling: tuple[float, int, float]):
-        flat, entropy = module(t["ids"], t["attn"], t["gather"], t["targets"], *sampling)
+        flat, entropy = module(t["ids"], t["attn"], t["positions"], t["segments"], t["gather"], t["targets"], *sampling)
         B, T = t["shape"]
         dense = torch.zeros(B * T, dtype=flat.dtype, device=flat.device).index_put((t["slots"],), flat)
         ent = torch.zeros(B * T, device=flat.device).index_put((t["slots"],), entropy)
@@ -111,6 +115,8 @@ class Trainer:
         out, _ = self.module(
             ids,
             torch.ones_like(ids),
+            None,
+            None if self.layout == "padded" else [(0, 2, 0, 0)],
             torch.zeros(1, dtype=torch.long, device=self.device),
             torch.zeros(1, dtype=torch.long, device=self.device),
             1.0,
@@ -180,12 +186,9 @@ class Trainer:
             "grpo": float(len(samples)),
             "dr_grpo": float(len(samples) * batch.max_tokens),
         }[cfg.normalization]
-        shard = plan_shards(samples, self.world_size)[self.rank]
-        plans = [
-            plan_micro_batches(samples, s, self.config.micro_batch_tokens)
-            for s in plan_shards(samples, self.world_size)
-        ]
-        mine = plans[self.rank]
+        shards = plan_shards(samples, self.world_size, self.layout)
+        plans = [plan_micro_batches(samples, s, self.config.micro_batch_tokens, self.layout) for s in shards]
+        shard, mine = shards[self.rank], plans[self.rank]
         passes = max(len(p) for p in plans)
         assert sum(len(m) for m in mine) == len(shard)
 
@@ -200,7 +203,7 @@ class Trainer:
                 continue
             began = time.monotonic()
             micro = [samples[j] for j in mine[i]]
-            t = pad(micro, self.device)
+            t = pad(micro, self.device, self.layout)
             logprobs, entropy = self._logprobs(self.module, t, sampling)
             # A token outside the trainer's top-k / top-p support (near-ties off-policy) has
             # log-prob -inf: it leaves the loss and is counted, instead of turning it into NaN.
@@ -278,9 +281,8 @@ class Trainer:
         out: list[list[float]] = [[] for _ in samples]
         self.module.eval()
         for sampling, indices in sorted(by_setting.items()):
-            for start in range(0, len(indices), 8):
-                micro = indices[start : start + 8]
-                t = pad([samples[i] for i in micro], self.device)
+            for micro in plan_micro_batches(samples, indices, self.config.micro_batch_tokens, self.layout):
+                t = pad([samples[i] for i in micro], self.device, self.layout)
                 logprobs, _ = self._logprobs(self.module, t, sampling)
                 for b, i in enumerate(micro):
                     out[i] = logprobs[b, : samples[i].num_completion].tolist()
