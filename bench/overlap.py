@@ -8,7 +8,15 @@ from the end of the first step to the end of the last (engine start and warm-up 
 wall time, trainer idle fraction (waiting for a batch) and engine idle fraction (no request
 generating) for both, the event loop's CPU time (it also runs vLLM's client-side token
 processing, and shares core 1 with the trainer), the speedup, and last
-`RESULT overlap_speedup=<x> trainer_idle_async=<y>`.
+`RESULT overlap_speedup=<x> overlap_efficiency=<e> trainer_idle_async=<y> max_tokens=<n>`.
+
+Overlap pays most when generation and training take the same time, and how long each takes
+depends on the CPU. So by default the benchmark first calibrates on the machine at hand: a
+4-step synchronous run at the workload's size measures both stages, and the completion length
+is set to balance them (`--no-calibrate`, or an explicit `--max-tokens`, keeps the size). The
+efficiency is the measured speedup ÷ the ideal one from the synchronous run's own stage times,
+(generate + train) / max(generate, train): it says how much of the available overlap rollflow
+realised, whatever the balance of this machine.
 
 Workloads (`--workload`; the other flags override their sizes):
 
@@ -34,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollflow.config import load_config
+from rollflow.config import Config, load_config
 from rollflow.controller import train
 
 ENGINE_CORE, CONTROLLER_CORE = 0, 1
@@ -57,8 +65,18 @@ def pin(core: int) -> None:
             os.sched_setaffinity(int(tid), {core})
 
 
-async def one(max_lag: int, args: argparse.Namespace) -> dict[str, float]:
-    config = load_config(
+def prompt_tokens(config: Config, n: int = 32) -> float:
+    """Mean prompt length of the run's first `n` prompts, encoded as the run encodes them."""
+    from rollflow.models import load_tokenizer, prompt_encoder, resolve_model
+    from rollflow.sampler import Sampler
+
+    tokenizer = load_tokenizer(resolve_model(config.model.path))
+    sampler = iter(Sampler(config.data, prompt_encoder(tokenizer, config.data)))
+    return sum(len(next(sampler).token_ids) for _ in range(n)) / n
+
+
+def config_of(args: argparse.Namespace, max_lag: int = 0) -> Config:
+    return load_config(
         preset=args.preset,
         overrides=[
             f"run.max_lag={max_lag}",
@@ -70,8 +88,13 @@ async def one(max_lag: int, args: argparse.Namespace) -> dict[str, float]:
             f"trainer.micro_batch_tokens={args.micro_batch_tokens}",
             f"data.system_prompt='{SYSTEM_WORDS[: args.system_chars]}'",
             "run.eval_prompts=0",
+            "checkpoint.final_model=false",
         ],
     )
+
+
+async def one(max_lag: int, args: argparse.Namespace) -> dict[str, float]:
+    config = config_of(args, max_lag)
     pin(ENGINE_CORE)  # the engine process spawned at start inherits this core
     cpu_s: list[float] = []
 
@@ -92,6 +115,8 @@ async def one(max_lag: int, args: argparse.Namespace) -> dict[str, float]:
     load_s = sum(m["engine_update_s"] for m in steady)
     return {
         "wall_s": wall,
+        "steps": len(steady),
+        "wait_s": waited,
         "trainer_idle": waited / wall if wall > 0 else 0.0,
         "engine_idle": max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0,
         "train_s": train_s,
@@ -103,7 +128,40 @@ async def one(max_lag: int, args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def stage_times(r: dict[str, float]) -> tuple[float, float]:
+    """(generation, training) seconds per steady step of a synchronous run: its trainer waits for
+    each batch while the engine generates it, then trains while the engine waits."""
+    return r["wait_s"] / r["steps"], r["train_s"] / r["steps"]
+
+
+def balanced_tokens(gen_s: float, train_s: float, tokens: int, prompt: int) -> int:
+    """Completion length at which generation and training take the same time per step.
+
+    Generation is taken as proportional to completion tokens (decoding dominates), training as
+    proportional to prompt + completion tokens (each sample's prompt is trained on again); a
+    machine whose engine is slow per token gets shorter completions, one whose trainer is slow
+    gets longer ones."""
+    g = gen_s / tokens  # seconds per completion token, generating
+    k = train_s / (prompt + tokens)  # seconds per token, training
+    if g <= k:  # generation is always cheaper: the longest completions come closest
+        return 4 * tokens
+    return max(16, min(4 * tokens, round(k * prompt / (g - k))))
+
+
+async def calibrate(args: argparse.Namespace) -> None:
+    """A short synchronous run at the workload's size, then `args.max_tokens` set to balance it."""
+    quick = argparse.Namespace(**{**vars(args), "steps": 4, "keep": None})
+    r = await one(0, quick)
+    gen_s, train_s = stage_times(r)
+    prompt = prompt_tokens(config_of(args))
+    args.max_tokens = balanced_tokens(gen_s, train_s, args.max_tokens, prompt)
+    print(f"calibration (synchronous, {quick.steps} steps of {quick.max_tokens} tokens, prompts ~{prompt:.0f} "
+          f"tokens): generate {gen_s:.2f} s, train {train_s:.2f} s a step -> max_tokens={args.max_tokens}")
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.calibrate:
+        await calibrate(args)
     rows = {}
     for name, lag in (("synchronous (max_lag 0)", 0), (f"asynchronous (max_lag {args.max_lag})", args.max_lag)):
         rows[name] = await one(lag, args)
@@ -120,7 +178,13 @@ async def main(args: argparse.Namespace) -> None:
     print("loop cpu: CPU time of the controller's event loop (which runs vLLM's client too) per wall second")
     sync, asyn = rows["synchronous (max_lag 0)"], rows[f"asynchronous (max_lag {args.max_lag})"]
     speedup = sync["wall_s"] / asyn["wall_s"]
-    print(f"RESULT overlap_speedup={speedup:.2f} trainer_idle_async={asyn['trainer_idle']:.3f}")
+    gen_s, train_s = stage_times(sync)
+    # Perfect overlap hides the shorter stage entirely: a step takes the longer one.
+    ideal = (gen_s + train_s) / max(gen_s, train_s)
+    print(f"synchronous stages: generate {gen_s:.2f} s + train {train_s:.2f} s a step; ideal overlap "
+          f"speedup {ideal:.2f}")
+    print(f"RESULT overlap_speedup={speedup:.2f} overlap_efficiency={speedup / ideal:.2f} "
+          f"trainer_idle_async={asyn['trainer_idle']:.3f} max_tokens={args.max_tokens}")
 
 
 if __name__ == "__main__":
@@ -132,12 +196,19 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens", type=int, help="tokens per completion (all completions this long)")
     parser.add_argument("--system-chars", type=int, help="characters of a shared system prompt")
     parser.add_argument("--max-lag", type=int, default=2)
+    parser.add_argument(
+        "--calibrate", action=argparse.BooleanOptionalAction, default=None,
+        help="pick the completion length that balances generation and training on this machine "
+        "(default: on unless --max-tokens is given)",
+    )
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument(
         "--keep", metavar="DIR", help="keep both runs' output in DIR/synchronous and DIR/asynchronous "
         "(then `python -m rollflow plot DIR/synchronous DIR/asynchronous` draws their timelines)"
     )
     args = parser.parse_args()
+    if args.calibrate is None:
+        args.calibrate = args.max_tokens is None
     for key, value in WORKLOADS[args.workload].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
