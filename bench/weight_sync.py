@@ -23,7 +23,7 @@ import torch
 
 from rollflow.weight_sync.buckets import plan_buckets
 from rollflow.weight_sync.gloo import GlooSender, _broadcast, join, receive_buckets
-from rollflow.weight_sync.shm import ShmSender, read_buckets
+from rollflow.weight_sync.shm import ShmSender, map_segment, read_buckets
 
 
 def models(mb: int) -> dict[str, list[tuple[str, torch.Tensor]]]:
@@ -103,7 +103,8 @@ def main() -> None:
     try:
         shm.write(plan, tensors)  # first write faults the segment's pages in
         write = min(timed(lambda: shm.write(plan, tensors)) for _ in range(args.repeats))
-        segment, views = read_buckets(shm.name, plan)
+        segment = map_segment(shm.name, plan.total_bytes)
+        views = read_buckets(segment, plan)
         read = timed(lambda v=views: [t.sum() for _, t in v])
         del views, segment
     finally:

@@ -49,6 +49,9 @@ async def test_transport_switches_weights_a_b_a(engine_on_a, model_a, model_b, n
             assert len(plan.bucket_sizes) > 3
             assert await sync_weights(engine, transport, plan, state.items()) == before + 1
             assert await greedy(engine) == want
+            # Every stage of the critical section is timed (bench/weight_update.py reads them).
+            assert list(engine.last_update_s) == ["pause", "load", "label", "reset prefix cache", "resume"]
+            assert all(0 <= s < 60 for s in engine.last_update_s.values())
     finally:
         await transport.aclose()
 

@@ -18,6 +18,7 @@ honours the same contracts deterministically for unit tests.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol, Self
 
@@ -171,8 +172,11 @@ async def critical_section(
     dead: Callable[[Exception], EngineDeadError | None] = lambda err: None,
     intact: Callable[[], Awaitable[bool]] | None = None,
     lose: Callable[[str], Awaitable[EngineDeadError]] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> None:
     """Run a weight update's stages under one deadline; on success resume the engine.
+
+    `timings`, when given, receives each finished stage's seconds by name, and `resume`'s.
 
     The engine adapters own the stages (pause -> load -> label -> reset the prefix cache) and bump
     their version only when this returns. A failure leaves the engine in one of two states only:
@@ -195,8 +199,11 @@ async def critical_section(
     error: WeightSyncError | None = None
     try:
         async with asyncio.timeout(deadline_s):
-            for at, (_, run) in enumerate(stages):  # noqa: B007 - `at` is read after the loop
+            for at, (name, run) in enumerate(stages):  # noqa: B007 - `at` is read after the loop
+                began = time.perf_counter()
                 await run()
+                if timings is not None:
+                    timings[name] = time.perf_counter() - began
     except TimeoutError:
         error = WeightSyncTimeout(
             f"weight update of {what} after version {version} stalled in stage '{names[at]}' for more than "
@@ -216,8 +223,11 @@ async def critical_section(
             raise await lose(f"{error}; its weights may no longer be version {version}") from error
     if can_resume():
         try:
+            began = time.perf_counter()
             async with asyncio.timeout(deadline_s):
                 await resume()
+            if timings is not None:
+                timings["resume"] = time.perf_counter() - began
         except TimeoutError:
             raise EngineDeadError(f"{what} did not resume within {deadline_s:g} s after a weight update") from None
     if error is not None:

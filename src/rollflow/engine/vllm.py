@@ -74,6 +74,8 @@ class VLLMEngine(AdapterSync):
         self.salt_prefix_cache = True
         """Salt prefix-cache keys with the version (tests turn this off to show the stale-KV bug)."""
         self.reset_prefix_cache_on_update = True
+        self.last_update_s: dict[str, float] = {}
+        """Seconds of each stage of the last successful weight update (pause, load, ..., resume)."""
         """Reset the prefix cache in every update (tests turn this off to show the stale-KV bug)."""
 
     @property
@@ -236,8 +238,17 @@ class VLLMEngine(AdapterSync):
             await self.llm.abort(request_id)
 
     async def pause(self, *, keep: bool = True) -> None:
-        """Stop scheduling. `keep`: freeze in-flight requests; otherwise abort them."""
-        await self.llm.pause_generation(mode="keep" if keep else "abort", clear_cache=False)
+        """Stop scheduling. `keep`: freeze in-flight requests; otherwise abort them.
+
+        `keep` asks the engine core directly: `AsyncLLM.pause_generation` ends with a fixed 20 ms
+        sleep so that outputs already produced reach their streams first, an ordering nothing
+        here depends on (a token's version is the engine core's label for the step that made it).
+        It was most of the pause. Aborting keeps vLLM's call, whose aborted outputs then arrive
+        before the weights change."""
+        if keep:
+            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        else:
+            await self.llm.pause_generation(mode="abort", clear_cache=False)
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
@@ -300,6 +311,7 @@ class VLLMEngine(AdapterSync):
 
         async with self._update_lock:
             new_version = self._version + 1 if version is None else version
+            timings: dict[str, float] = {}
             stages: list[Stage] = [
                 ("pause", guarded(lambda: self.pause(keep=keep))),
                 ("load", guarded(load)),
@@ -326,8 +338,10 @@ class VLLMEngine(AdapterSync):
                 dead=lambda err: self._dead(err) if isinstance(err, VLLMDead) else None,
                 intact=intact,
                 lose=self._take_out_of_service,
+                timings=timings,
             )
             self._version = new_version
+            self.last_update_s = timings
         return self._version
 
     async def _unless_dead(self, call: Awaitable[Any], poll_s: float = 0.5) -> Any:

@@ -24,6 +24,8 @@ class WorkerExtension:
 
     _rollflow_group: Any = None
     _rollflow_buffers: list[Any] | None = None
+    _rollflow_shm: tuple[tuple[str, int], Any] | None = None
+    """The shared-memory segment of the last `shm` load, kept mapped: ((name, size), mapping)."""
     _rollflow_touched = False
     """A reload began changing the model and did not finish: its layers may be half-loaded."""
 
@@ -91,23 +93,34 @@ class WorkerExtension:
 
     def rollflow_shm_load(self, name: str, plan: bytes | str) -> int:
         """Load packed buckets from a shared-memory segment, as views into it. `plan` arrives
-        as base64 text from a remote client (`/collective_rpc` carries JSON)."""
+        as base64 text from a remote client (`/collective_rpc` carries JSON).
+
+        The mapping stays open for the next load from the same segment (the sender rewrites it
+        in place between loads), so a load neither maps nor unmaps, and nothing waits for the
+        views to be collected; a segment of another name or size replaces it."""
         import base64
 
         from rollflow.weight_sync.buckets import BucketPlan
-        from rollflow.weight_sync.shm import read_buckets
+        from rollflow.weight_sync.shm import map_segment, read_buckets
 
         decoded = BucketPlan.decode(base64.b64decode(plan) if isinstance(plan, str) else plan)
-        segment, views = read_buckets(name, decoded)
-        try:
-            self._rollflow_reload(views)
-        finally:
-            del views
-            gc.collect()  # release every view before unmapping
-            # If a view is still referenced somewhere, the mapping goes with the process.
-            with contextlib.suppress(BufferError, ValueError):
-                segment.close()
+        key = (name, max(decoded.total_bytes, 1))
+        if self._rollflow_shm is None or self._rollflow_shm[0] != key:
+            self._rollflow_shm_close()
+            self._rollflow_shm = (key, map_segment(*key))
+        self._rollflow_reload(read_buckets(self._rollflow_shm[1], decoded))
         return decoded.total_bytes
+
+    def _rollflow_shm_close(self) -> None:
+        if self._rollflow_shm is None:
+            return
+        mapping, self._rollflow_shm = self._rollflow_shm[1], None
+        try:
+            mapping.close()
+        except BufferError:  # a view of the old segment is still referenced: collect, then unmap
+            gc.collect()
+            with contextlib.suppress(BufferError, ValueError):
+                mapping.close()  # else the mapping goes with the process
 
     def rollflow_gloo_join(self, host: str, port: int, timeout_s: float) -> bool:
         """Join the two-process gloo weight group as rank 1 (blocks until rank 0 is there)."""

@@ -69,18 +69,15 @@ class _Mapping:
         self._map.close()
 
 
-def read_buckets(name: str, plan: BucketPlan) -> tuple[_Mapping, Iterator[tuple[str, torch.Tensor]]]:
-    """The engine end: map the segment and yield named views into it, bucket by bucket.
+def map_segment(name: str, size: int) -> _Mapping:
+    """The engine end: map a segment by path rather than through `SharedMemory`, so this process
+    never registers (or unlinks) it: its owner does. The caller closes it."""
+    return _Mapping(name, size)
 
-    The caller closes the returned mapping after loading. The segment is mapped by path rather
-    than through `SharedMemory`, so this process never registers (or unlinks) it: its owner does.
-    """
-    segment = _Mapping(name, max(plan.total_bytes, 1))
+
+def read_buckets(segment: _Mapping, plan: BucketPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """Named views into a mapped segment, bucket by bucket (valid while it stays mapped)."""
     memory = torch.frombuffer(segment.buf, dtype=torch.uint8, count=plan.total_bytes)
     starts = bucket_starts(plan)
-
-    def views() -> Iterator[tuple[str, torch.Tensor]]:
-        for index, size in enumerate(plan.bucket_sizes):
-            yield from unpack(plan, index, memory[starts[index] : starts[index] + size])
-
-    return segment, views()
+    for index, size in enumerate(plan.bucket_sizes):
+        yield from unpack(plan, index, memory[starts[index] : starts[index] + size])

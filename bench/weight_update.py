@@ -1,0 +1,142 @@
+"""Weight update cost: each stage of the engine's critical section beside a memcpy of the same bytes.
+
+For each model (the tiny one and SmolLM2-135M-Instruct) a live vLLM engine generates a few
+requests while the trainer side stages a full set of weights in the default `shm` transport and
+publishes it, `--rounds` times; the engine reports the seconds of each stage of its critical
+section (pause, load, label, reset prefix cache, resume). Beside it: a memcpy of the same bytes
+in this process. Then the tiny preset trains synchronously (`max_lag = 0`) and the share of its
+step wall time that is neither generating nor training is measured from its metrics.
+
+Prints a table of median milliseconds per stage and, last,
+`RESULT update_vs_memcpy_tiny=X update_vs_memcpy_smollm2=Y update_ms_tiny=T sync_overhead_frac=Z`.
+
+    bin/dev python bench/weight_update.py [--rounds 8] [--models tiny,smollm2-135m-instruct] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+STAGES = ("pause", "load", "label", "reset prefix cache", "resume")
+
+
+def memcpy_s(nbytes: int, rounds: int = 7) -> float:
+    import torch
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(rounds):
+        began = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+async def updates(model: str, rounds: int, requests: int) -> dict[str, float]:
+    """Median seconds of each critical-section stage, and the bytes of one set of weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollflow.config import EngineConfig
+    from rollflow.engine.vllm import VLLMEngine
+    from rollflow.models import resolve_model
+    from rollflow.records import Prompt, SamplingSpec
+    from rollflow.rollout import rollout
+    from rollflow.weight_sync import ShmTransport, publish
+    from rollflow.weight_sync.buckets import plan_buckets
+
+    path = resolve_model(model)
+    weights = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    plan = plan_buckets([(name, t.dtype, tuple(t.shape)) for name, t in weights.items()])
+    engine = VLLMEngine(path, EngineConfig(max_num_seqs=16))
+    transport = ShmTransport()
+    await engine.start()
+    spec = SamplingSpec(temperature=1.0, max_tokens=256, ignore_eos=True)
+
+    async def generating(i: int) -> None:
+        for k in range(10**9):
+            prompt = Prompt(id=f"p{i}", token_ids=[1, 100 + i, 202, 276])
+            await rollout(engine, prompt, spec, group_id=f"g{i}-{k}", index=0)
+
+    busy = [asyncio.create_task(generating(i)) for i in range(requests)]
+    stages: dict[str, list[float]] = {name: [] for name in (*STAGES, "total")}
+    try:
+        await asyncio.sleep(1.0)  # the requests are generating
+        for _ in range(rounds + 1):
+            await transport.stage(plan, weights.items())
+            began = time.perf_counter()
+            await publish(engine, transport, plan)
+            total = time.perf_counter() - began
+            for name in STAGES:
+                stages[name].append(engine.last_update_s.get(name, 0.0))
+            stages["total"].append(total)
+            await asyncio.sleep(0.2)
+    finally:
+        for task in busy:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*busy, return_exceptions=True)
+        await transport.aclose()
+        await engine.aclose()
+    out = {name: statistics.median(values[1:]) for name, values in stages.items()}  # the first warms up
+    out["bytes"] = float(plan.total_bytes)
+    return out
+
+
+async def sync_overhead(steps: int) -> float:
+    """(step wall - generating - training) / step wall, synchronous tiny preset, steady steps."""
+    from rollflow.config import load_config
+    from rollflow.controller import train
+
+    config = load_config(
+        preset="tiny",
+        overrides=[
+            "run.max_lag=0",
+            f"run.max_steps={steps}",
+            "run.eval_prompts=0",
+            "checkpoint.final_model=false",
+        ],
+    )
+    with tempfile.TemporaryDirectory() as out:
+        result = await train(config, Path(out))
+    first, last = result.metrics[0], result.metrics[-1]
+    wall = last["wall_s"] - first["wall_s"]
+    busy = last["engine_busy_s"] - first["engine_busy_s"]
+    trained = sum(m["train_step_s"] for m in result.metrics[1:])
+    print(f"synchronous tiny preset, {steps - 1} steady steps: wall {wall:.2f} s, generating {busy:.2f} s, "
+          f"training {trained:.2f} s")
+    return (wall - busy - trained) / wall
+
+
+async def main(args: argparse.Namespace) -> None:
+    rows = {}
+    for model in args.models.split(","):
+        rows[model] = await updates(model, args.rounds, args.requests)
+        rows[model]["memcpy"] = memcpy_s(int(rows[model]["bytes"]))
+    frac = await sync_overhead(args.steps)
+    print(f"median ms over {args.rounds} updates, {args.requests} requests generating")
+    print(f"{'model':<24}{'MB':>8}" + "".join(f"{name:>20}" for name in (*STAGES, "total", "memcpy")) + f"{'ratio':>8}")
+    for model, r in rows.items():
+        print(f"{model:<24}{r['bytes'] / 2**20:>8.1f}"
+              + "".join(f"{r[name] * 1e3:>20.2f}" for name in (*STAGES, "total", "memcpy"))
+              + f"{r['total'] / r['memcpy']:>8.1f}")
+    ratio = {model: r["total"] / r["memcpy"] for model, r in rows.items()}
+    parts = [f"update_vs_memcpy_{model.split('-')[0]}={value:.1f}" for model, value in ratio.items()]
+    if "tiny" in rows:
+        parts.append(f"update_ms_tiny={rows['tiny']['total'] * 1e3:.1f}")
+    print("RESULT " + " ".join(parts) + f" sync_overhead_frac={frac:.3f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--models", default="tiny,smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, default=12, help="steps of the synchronous tiny run")
+    asyncio.run(main(parser.parse_args()))
