@@ -166,14 +166,13 @@ def _serve_engine(args: argparse.Namespace) -> int:
     import shlex
 
     from rollflow.config import load_config
-    from rollflow.engine.environment import check_kv_cache, serve_command, serve_environment
+    from rollflow.engine.environment import check_kv_cache, resolve_context, serve_command, serve_environment
     from rollflow.models import resolve_model
 
     config = load_config(args.config, preset=args.preset, overrides=args.overrides)
-    check_kv_cache(resolve_model(config.model.path), config.engine, config.model.dtype)
-    command = serve_command(
-        resolve_model(config.model.path), config.engine, host=args.host, port=args.port, dtype=config.model.dtype
-    )
+    model = resolve_model(config.model.path)
+    check_kv_cache(model, resolve_context(config.engine, model), config.model.dtype)
+    command = serve_command(model, config.engine, host=args.host, port=args.port, dtype=config.model.dtype)
     if args.print_command:
         print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))
         return 0

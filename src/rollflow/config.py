@@ -19,6 +19,9 @@ from rollflow.errors import ConfigError
 PartialMode = Literal["keep", "resume", "restart"]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
+
+CONTEXT_CAP = 1024
+"""The longest context `engine.max_model_len = 0` gives a model that allows more."""
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 
 
@@ -46,8 +49,10 @@ class EngineConfig(_Section, frozen=True):
     kv_cache_bytes: PosInt = 256 * 1024 * 1024
     """Bytes reserved for the vLLM KV cache (required on CPU; 128-256 MiB suits small models)."""
 
-    max_model_len: PosInt = 1024
-    """Longest prompt + completion the engine accepts, in tokens."""
+    max_model_len: NonNegInt = 0
+    """Longest prompt + completion the engine accepts, in tokens. 0 (the default): the model's
+    own limit (`max_position_embeddings` in its config.json), capped at `CONTEXT_CAP` = 1024,
+    which keeps the KV cache of a CPU engine small; set it to use more of a long-context model."""
 
     max_num_seqs: PosInt = 64
     """Most sequences the engine decodes at once."""
@@ -681,10 +686,12 @@ def training_problems(config: Config) -> list[str]:
             "sampling.temperature: training samples need a temperature > 0 (0 is greedy decoding, which has "
             "no distribution to compute importance ratios against); greedy is only for `generate` and evaluation"
         )
-    if config.sampling.max_tokens >= engine.max_model_len:
+    context = engine.max_model_len or CONTEXT_CAP  # 0: the model's limit, at most CONTEXT_CAP (checked again later)
+    if config.sampling.max_tokens >= context:
+        said = f"{context}" if engine.max_model_len else f"0, the model's own limit and at most {CONTEXT_CAP}"
         problems.append(
             f"sampling.max_tokens: {config.sampling.max_tokens} completion tokens leave no room for a prompt in "
-            f"engine.max_model_len = {engine.max_model_len} (prompt + completion); lower the one or raise the other"
+            f"engine.max_model_len = {said} (prompt + completion); lower the one or raise the other"
         )
     if config.data.paths and config.data.task != "jsonl":
         problems.append(

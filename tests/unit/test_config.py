@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tomllib
 
 import pytest
@@ -153,3 +154,50 @@ def test_config_files_that_are_not_utf8_are_refused_naming_the_file_and_a_byte_o
     bom = tmp_path / "bom.toml"
     bom.write_bytes(b"\xef\xbb\xbf[run]\nmax_steps = 3\n")
     assert load_config(bom).run.max_steps == 3
+
+
+def _model_dir(tmp_path, **config):
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_max_model_len_defaults_to_the_models_own_limit_capped(tmp_path):
+    from rollflow.config import CONTEXT_CAP, EngineConfig
+    from rollflow.engine.environment import resolve_context
+
+    auto = EngineConfig()
+    assert auto.max_model_len == 0
+    assert resolve_context(auto, _model_dir(tmp_path / "a", max_position_embeddings=256)).max_model_len == 256
+    assert resolve_context(auto, _model_dir(tmp_path / "b", max_position_embeddings=8192)).max_model_len == CONTEXT_CAP
+    nested = _model_dir(tmp_path / "c", text_config={"max_position_embeddings": 512})
+    assert resolve_context(auto, nested).max_model_len == 512
+    assert resolve_context(auto, tmp_path / "missing").max_model_len == CONTEXT_CAP
+    explicit = EngineConfig(max_model_len=300)
+    assert resolve_context(explicit, tmp_path / "a").max_model_len == 300  # the user's word stands
+
+
+def test_a_completion_budget_beyond_the_models_limit_is_refused_naming_it(tmp_path):
+    from rollflow.controller.setup import with_context
+
+    model = _model_dir(tmp_path / "m", max_position_embeddings=256)
+    config = load_config(preset="tiny", overrides=["engine.max_model_len=0", "sampling.max_tokens=300"])
+    with pytest.raises(ConfigError, match=r"sampling.max_tokens: 300 .* engine.max_model_len = 256 .* allows 256"):
+        with_context(config, model)
+    fits = load_config(preset="tiny", overrides=["engine.max_model_len=0", "sampling.max_tokens=64"])
+    assert with_context(fits, model).engine.max_model_len == 256
+
+
+def test_the_engine_is_started_with_the_resolved_context(tmp_path):
+    """What reaches vLLM (in process and as a server) is the model's 256, not the former fixed 1024,
+    which vLLM refuses to start with for a model allowing 256 positions."""
+    from rollflow.config import EngineConfig
+    from rollflow.engine.environment import engine_args, serve_command
+    from rollflow.engine.vllm import VLLMEngine
+
+    model = _model_dir(tmp_path / "short", max_position_embeddings=256)
+    engine = VLLMEngine(model)
+    assert engine.config.max_model_len == 256
+    assert engine_args(str(model), engine.config, "float32").max_model_len == 256
+    command = serve_command(model, EngineConfig(), host="127.0.0.1", port=1, dtype="float32")
+    assert command[command.index("--max-model-len") + 1] == "256"

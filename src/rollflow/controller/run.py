@@ -246,8 +246,8 @@ class Controller:
 
     async def setup(self) -> None:
         """Build every component and wire them; nothing starts running here."""
-        cfg = self.config
-        parts = await build(cfg, self._given, multi_turn=self.env is not None)
+        parts = await build(self.config, self._given, multi_turn=self.env is not None)
+        cfg = self.config = parts.config
         self.parts = parts
         self.accounting = Accounting(self.outputs.ledger)
         strategy: WeightStrategy = (

@@ -19,8 +19,10 @@ import msgspec
 from rollflow.config import Config
 from rollflow.controller.trainer_thread import TrainerRunner, TrainerThread
 from rollflow.engine import ManagedEngine
+from rollflow.engine.environment import model_context, resolve_context
 from rollflow.engine.factory import make_engine
 from rollflow.envs import ChatFormat
+from rollflow.errors import ConfigError
 from rollflow.models import check_chat_template, load_tokenizer, prompt_encoder, resolve_model
 from rollflow.sampler import Sampler
 from rollflow.trainer import TrainerBackend
@@ -52,8 +54,24 @@ class Components:
     engine: ManagedEngine
     engine_factory: Callable[[], ManagedEngine] | None
     transport: WeightTransport
+    config: Config
+    """The run's config with what depends on the model made concrete (`engine.max_model_len`)."""
     policy_base: Path | None = None
     """The model folder the trainer was built from (None when a trainer was given)."""
+
+
+def with_context(config: Config, model_path: Path) -> Config:
+    """`engine.max_model_len` made concrete for this model (`0`: its own limit, capped), and the
+    completion budget checked against it."""
+    engine = resolve_context(config.engine, model_path)
+    if config.sampling.max_tokens >= engine.max_model_len:
+        raise ConfigError(
+            f"sampling.max_tokens: {config.sampling.max_tokens} completion tokens leave no room for a prompt in "
+            f"engine.max_model_len = {engine.max_model_len} (prompt + completion"
+            + (f"; {config.model.path} allows {model_context(model_path)}" if not config.engine.max_model_len else "")
+            + "); lower the one or raise the other"
+        )
+    return msgspec.structs.replace(config, engine=engine)
 
 
 async def build(config: Config, given: Given, *, multi_turn: bool) -> Components:
@@ -61,6 +79,7 @@ async def build(config: Config, given: Given, *, multi_turn: bool) -> Components
     from the config (the trainer and teacher load in a thread; the loop keeps running)."""
     needs_model = given.tokenizer is None or given.engine is None or (given.trainer is None and given.runner is None)
     model_path = resolve_model(config.model.path) if needs_model else Path(config.model.path)
+    config = with_context(config, model_path)
     tokenizer = given.tokenizer or load_tokenizer(model_path)
     if multi_turn:  # before the trainer loads: a missing template fails at once
         check_chat_template(tokenizer, config.model.path, "environments render conversations with it")
@@ -97,6 +116,7 @@ async def build(config: Config, given: Given, *, multi_turn: bool) -> Components
         engine=engine,
         engine_factory=factory,
         transport=given.transport or make_transport(config.run.weight_transport, host=config.run.weight_sync_host),
+        config=config,
         policy_base=model_path if given.trainer is None and given.runner is None else None,
     )
 

@@ -19,7 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rollflow.config import EngineConfig
+import msgspec
+
+from rollflow.config import CONTEXT_CAP, EngineConfig
 from rollflow.errors import ConfigError
 from rollflow.records import SamplingSpec
 
@@ -68,6 +70,27 @@ def socket_folder() -> str:
 MAX_SOCKET_FOLDER = 64
 """Longest folder for IPC sockets: vLLM adds a 37-character name, and a Unix socket's whole path
 must fit in 107 bytes."""
+
+
+def model_context(model_path: str | Path) -> int | None:
+    """The longest sequence a model's config.json allows, or None if it does not say."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return int(config[key])
+    return None
+
+
+def resolve_context(config: EngineConfig, model_path: str | Path) -> EngineConfig:
+    """`engine.max_model_len = 0` made concrete: the model's own limit, at most `CONTEXT_CAP`."""
+    if config.max_model_len:
+        return config
+    limit = model_context(model_path)
+    return msgspec.structs.replace(config, max_model_len=min(limit, CONTEXT_CAP) if limit else CONTEXT_CAP)
 
 
 def kv_bytes_per_token(model_path: str | Path, dtype: str) -> int:
@@ -162,7 +185,7 @@ def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, po
         "--port", str(port),
         "--dtype", dtype,
         "--seed", str(config.seed),
-        "--max-model-len", str(config.max_model_len),
+        "--max-model-len", str(resolve_context(config, model_path).max_model_len),
         "--max-num-seqs", str(config.max_num_seqs),
         "--kv-cache-memory-bytes", str(config.kv_cache_bytes),
         "--logprobs-mode", config.logprobs_mode,

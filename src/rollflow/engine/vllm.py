@@ -40,7 +40,13 @@ from rollflow.engine import (
     spans_to_versions,
 )
 from rollflow.engine.adapters import Adapters, AdapterSync
-from rollflow.engine.environment import check_kv_cache, engine_args, prepare_environment, sampling_params
+from rollflow.engine.environment import (
+    check_kv_cache,
+    engine_args,
+    prepare_environment,
+    resolve_context,
+    sampling_params,
+)
 from rollflow.errors import EngineDeadError, EngineError, RequestRefused, WeightSyncError
 from rollflow.records import SamplingSpec
 
@@ -58,7 +64,7 @@ class VLLMEngine(AdapterSync):
         dtype: str = "float32",
     ) -> None:
         self.model_path = str(model_path)
-        self.config = config
+        self.config = resolve_context(config, model_path)
         self.dtype = dtype
         self._llm: Any = None
         self._died: EngineDeadError | None = None
