@@ -220,6 +220,11 @@ def _packed_row(samples: list[TrainSample]) -> dict[str, Any]:
         positions.extend(range(n))
         segments.append((start, start + n, start, start))
         gather.extend(start + t - 1 for t in range(s.prompt_len, n))
+    return _one_row(ids, positions, segments, gather)
+
+
+def _one_row(ids: list[int], positions: list[int], segments: list[Segment], gather: list[int]) -> dict[str, Any]:
+    """A packed micro-batch: one row, no padding mask; `segments` say what attends to what."""
     return {
         "ids": torch.tensor([ids]),
         "attn": None,
@@ -249,10 +254,4 @@ def _shared_prompt_row(samples: list[TrainSample]) -> dict[str, Any]:
             segments.append((start, start + c, p0, p0 + P))
             # A completion's first token is predicted by its prompt's last position.
             gather[first_slot[b] : first_slot[b] + c] = ([p0 + P - 1] + [start + j for j in range(c - 1)])[:c]
-    return {
-        "ids": torch.tensor([ids]),
-        "attn": None,
-        "positions": torch.tensor([positions]),
-        "segments": segments,
-        "gather": gather,
-    }
+    return _one_row(ids, positions, segments, gather)
