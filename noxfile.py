@@ -45,6 +45,7 @@ def bench(session: nox.Session) -> None:
         "bench/loss_memory.py",
         "bench/packing.py",
         "bench/weight_sync.py",
+        "bench/weight_update.py",
         "bench/overlap.py",
         "bench/controller_overhead.py",
         "bench/loop_lag.py",
