@@ -8,8 +8,8 @@ accuracy and pass@k as JSON), `export` (a checkpoint as a Hugging Face folder), 
 User errors (config, data, model path, arguments) print one line naming what is wrong and
 exit with code 2, without a traceback; other rollflow errors print their message and exit 1.
 During training the first SIGINT or SIGTERM stops after the current step with a checkpoint
-(exit 0); a second SIGINT interrupts at once (exit 130). This module parses arguments and prints; the work
-happens in the library.
+(exit 0); a second SIGINT interrupts at once (exit 130; within `STOP_GRACE_S` even while the
+event loop is blocked). This module parses arguments and prints; the work happens in the library.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -294,16 +295,7 @@ async def _train(args: argparse.Namespace) -> int:
     loop.set_default_executor(_NoWaitExecutor(thread_name_prefix="rollflow-calls"))
     main_task = asyncio.current_task()
     assert main_task is not None
-
-    def on_signal(name: str) -> None:
-        if controller.stopping:  # a second signal: stop now
-            main_task.cancel()
-            return
-        print(f"\n{name}: stopping after the current step with a checkpoint (again to stop now)", file=sys.stderr)
-        controller.request_stop()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig.name)
+    stop_on_signals(loop, controller.request_stop, main_task.cancel)
     try:
         result = await controller.run()
     except asyncio.CancelledError:
@@ -402,6 +394,52 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return 2
+
+
+STOP_GRACE_S = 5.0
+"""After a second Ctrl-C, how long the run may take to stop before the process exits anyway."""
+
+
+def stop_on_signals(
+    loop: asyncio.AbstractEventLoop,
+    stop: Callable[[], object],
+    cancel: Callable[[], object],
+    grace_s: float = STOP_GRACE_S,
+) -> None:
+    """SIGINT / SIGTERM: the first asks the run to stop after its step (`stop`); the second
+    cancels it (`cancel`), and if the process is still alive `grace_s` later (an event loop
+    blocked by user code or by a huge allocation never runs the cancellation), it exits with
+    130; a third exits at once.
+
+    The handlers are plain signal handlers, which Python runs between bytecodes on the main
+    thread even while the event loop is blocked; they only hand work to the loop
+    (`call_soon_threadsafe`), whose callbacks cannot run until it is free again."""
+    count = 0
+
+    def now(reason: str) -> None:
+        print(f"\n{reason}; exiting now (status 130)", file=sys.stderr)
+        atexit._run_exitfuncs()  # remove the run's sockets and folders, as a normal exit does
+        sys.stderr.flush()
+        os._exit(130)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal count
+        count += 1
+        name = signal.Signals(signum).name
+        if count == 1:
+            print(f"\n{name}: stopping after the current step with a checkpoint (again to stop now)", file=sys.stderr)
+            loop.call_soon_threadsafe(stop)
+        elif count == 2:
+            print(f"\n{name}: stopping now", file=sys.stderr)
+            loop.call_soon_threadsafe(cancel)
+            timer = threading.Timer(grace_s, now, args=(f"the run did not stop within {grace_s:g} s",))
+            timer.daemon = True
+            timer.start()
+        else:
+            now(f"{name} a third time")
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
 
 
 class _NoWaitExecutor(ThreadPoolExecutor):
