@@ -1,9 +1,10 @@
-"""What one micro-batch pass needs: the log-prob module, the rank and micro-batch plans, padding.
+"""What one micro-batch pass needs: the log-prob module, the rank and micro-batch plans, layouts.
 
 `PolicyHead` wraps the causal LM with the chunked log-prob head (full logits never exist);
-`plan_shards` splits a batch across ranks by tokens, `plan_micro_batches` packs one rank's
-share under a token budget, `pad` turns a micro-batch into tensors; `lr_factor` is the learning
-rate schedule. No optimizer and no IO here (`rollflow.trainer.model` owns the step).
+`plan_shards` splits a batch across ranks by tokens, `plan_micro_batches` fills one rank's
+share into micro-batches under a token budget, `pad` turns a micro-batch into tensors in one of
+the three layouts (`Layout`: padded rows, one packed row, one packed row with each group's prompt
+once); `lr_factor` is the learning rate schedule. No optimizer and no IO here (`rollflow.trainer.model` owns the step).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rollflow.trainer.attention import NO_MASK, Segment
 
 
 class PolicyHead(nn.Module):
-    """Causal LM body + chunked log-prob head: (padded tokens, gather index) -> log-probs.
+    """Causal LM body + chunked log-prob head: (tokens as laid out, gather index) -> log-probs.
 
     Wrapping both in one module lets FSDP2 gather the LM head (and tied embeddings) for the
     custom log-prob function exactly as for any other layer.
