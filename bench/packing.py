@@ -51,8 +51,8 @@ def model_tokens(trainer, batch) -> int:
     from rollflow.trainer.batches import pad, plan_micro_batches
 
     plan = plan_micro_batches(batch.samples, list(range(len(batch.samples))), trainer.config.micro_batch_tokens,
-                              trainer.layout)
-    return sum(pad([batch.samples[i] for i in m], torch.device("cpu"), trainer.layout)["tokens"] for m in plan)
+                              trainer.config.layout)
+    return sum(pad([batch.samples[i] for i in m], torch.device("cpu"), trainer.config.layout)["tokens"] for m in plan)
 
 
 def main() -> None:

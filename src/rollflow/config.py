@@ -677,6 +677,17 @@ def check_training(config: Config) -> None:
         raise ConfigError(problem)
 
 
+def context_problem(max_tokens: int, context: int, said: str, note: str = "") -> str | None:
+    """Why `sampling.max_tokens` cannot fit a context of `context` tokens (`said`: how to name
+    it; `note`: what else to say), or None."""
+    if max_tokens < context:
+        return None
+    return (
+        f"sampling.max_tokens: {max_tokens} completion tokens leave no room for a prompt in "
+        f"engine.max_model_len = {said} (prompt + completion{note}); lower the one or raise the other"
+    )
+
+
 def training_problems(config: Config) -> list[str]:
     """What `check_training` refuses, one message per problem."""
     engine, loss, lora = config.engine, config.loss, config.trainer.lora
@@ -686,13 +697,11 @@ def training_problems(config: Config) -> list[str]:
             "sampling.temperature: training samples need a temperature > 0 (0 is greedy decoding, which has "
             "no distribution to compute importance ratios against); greedy is only for `generate` and evaluation"
         )
-    context = engine.max_model_len or CONTEXT_CAP  # 0: the model's limit, at most CONTEXT_CAP (checked again later)
-    if config.sampling.max_tokens >= context:
-        said = f"{context}" if engine.max_model_len else f"0, the model's own limit and at most {CONTEXT_CAP}"
-        problems.append(
-            f"sampling.max_tokens: {config.sampling.max_tokens} completion tokens leave no room for a prompt in "
-            f"engine.max_model_len = {said} (prompt + completion); lower the one or raise the other"
-        )
+    # 0: the model's own limit, at most CONTEXT_CAP; checked against the model when the run starts.
+    said = f"{engine.max_model_len}" if engine.max_model_len else f"0, the model's own limit and at most {CONTEXT_CAP}"
+    problem = context_problem(config.sampling.max_tokens, engine.max_model_len or CONTEXT_CAP, said)
+    if problem:
+        problems.append(problem)
     if config.data.paths and config.data.task != "jsonl":
         problems.append(
             f'data.paths: files are read only by data.task = "jsonl" (any dataset file), but the task is '

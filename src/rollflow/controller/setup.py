@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from rollflow.config import Config
+from rollflow.config import Config, context_problem
 from rollflow.controller.trainer_thread import TrainerRunner, TrainerThread
 from rollflow.engine import ManagedEngine
 from rollflow.engine.environment import model_context, resolve_context
@@ -64,13 +64,10 @@ def with_context(config: Config, model_path: Path) -> Config:
     """`engine.max_model_len` made concrete for this model (`0`: its own limit, capped), and the
     completion budget checked against it."""
     engine = resolve_context(config.engine, model_path)
-    if config.sampling.max_tokens >= engine.max_model_len:
-        raise ConfigError(
-            f"sampling.max_tokens: {config.sampling.max_tokens} completion tokens leave no room for a prompt in "
-            f"engine.max_model_len = {engine.max_model_len} (prompt + completion"
-            + (f"; {config.model.path} allows {model_context(model_path)}" if not config.engine.max_model_len else "")
-            + "); lower the one or raise the other"
-        )
+    note = "" if config.engine.max_model_len else f"; {config.model.path} allows {model_context(model_path)}"
+    problem = context_problem(config.sampling.max_tokens, engine.max_model_len, f"{engine.max_model_len}", note)
+    if problem:
+        raise ConfigError(problem)
     return msgspec.structs.replace(config, engine=engine)
 
 

@@ -63,8 +63,7 @@ class Trainer:
         lm.to(self.device)  # type: ignore[arg-type]
         if config.gradient_checkpointing:
             lm.gradient_checkpointing_enable()
-        self.layout = config.layout
-        if self.layout != "padded":
+        if config.layout != "padded":
             use_segment_attention(lm)
         self.reference: PolicyHead | None = None
         if loss.kl_coef > 0 and not config.lora.enabled:
@@ -116,7 +115,7 @@ class Trainer:
             ids,
             torch.ones_like(ids),
             None,
-            None if self.layout == "padded" else [(0, 2, 0, 0)],
+            None if self.config.layout == "padded" else [(0, 2, 0, 0)],
             torch.zeros(1, dtype=torch.long, device=self.device),
             torch.zeros(1, dtype=torch.long, device=self.device),
             1.0,
@@ -186,8 +185,8 @@ class Trainer:
             "grpo": float(len(samples)),
             "dr_grpo": float(len(samples) * batch.max_tokens),
         }[cfg.normalization]
-        shards = plan_shards(samples, self.world_size, self.layout)
-        plans = [plan_micro_batches(samples, s, self.config.micro_batch_tokens, self.layout) for s in shards]
+        shards = plan_shards(samples, self.world_size, self.config.layout)
+        plans = [plan_micro_batches(samples, s, self.config.micro_batch_tokens, self.config.layout) for s in shards]
         shard, mine = shards[self.rank], plans[self.rank]
         passes = max(len(p) for p in plans)
         assert sum(len(m) for m in mine) == len(shard)
@@ -203,7 +202,7 @@ class Trainer:
                 continue
             began = time.monotonic()
             micro = [samples[j] for j in mine[i]]
-            t = pad(micro, self.device, self.layout)
+            t = pad(micro, self.device, self.config.layout)
             logprobs, entropy = self._logprobs(self.module, t, sampling)
             # A token outside the trainer's top-k / top-p support (near-ties off-policy) has
             # log-prob -inf: it leaves the loss and is counted, instead of turning it into NaN.
@@ -281,8 +280,8 @@ class Trainer:
         out: list[list[float]] = [[] for _ in samples]
         self.module.eval()
         for sampling, indices in sorted(by_setting.items()):
-            for micro in plan_micro_batches(samples, indices, self.config.micro_batch_tokens, self.layout):
-                t = pad([samples[i] for i in micro], self.device, self.layout)
+            for micro in plan_micro_batches(samples, indices, self.config.micro_batch_tokens, self.config.layout):
+                t = pad([samples[i] for i in micro], self.device, self.config.layout)
                 logprobs, _ = self._logprobs(self.module, t, sampling)
                 for b, i in enumerate(micro):
                     out[i] = logprobs[b, : samples[i].num_completion].tolist()
