@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -30,6 +29,7 @@ from rollflow.engine.vllm import VLLMEngine
 from rollflow.models import resolve_model
 from rollflow.records import Prompt, SamplingSpec
 from rollflow.rollout import rollout
+from rollflow.testing import unused_port
 
 
 async def round_of(engine, prompts: list[list[int]], spec: SamplingSpec, tag: str) -> int:
@@ -43,9 +43,7 @@ async def round_of(engine, prompts: list[list[int]], spec: SamplingSpec, tag: st
 
 
 def start_server(config: EngineConfig, model: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     command = [sys.executable, "-m", "rollflow", "serve-engine", "--port", str(port),
                "--set", f'model.path="{model}"', "--set", f"engine.max_num_seqs={config.max_num_seqs}"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import torch
 
+from rollflow.testing import unused_port
 from rollflow.weight_sync.buckets import plan_buckets
 from rollflow.weight_sync.gloo import GlooSender, _broadcast, join, receive_buckets
 from rollflow.weight_sync.shm import ShmSender, map_segment, read_buckets
@@ -71,9 +71,7 @@ def main() -> None:
         receiver(args.receiver, args.mb, args.repeats)
         return
     torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     sender = GlooSender("127.0.0.1", port, timeout_s=120)
     child = subprocess.Popen(
         [sys.executable, __file__, "--receiver", str(port), "--mb", str(args.mb), "--repeats", str(args.repeats)],

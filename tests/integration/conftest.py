@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,13 @@ import torch
 from rollflow.config import EngineConfig
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.models import tiny_model_path
+
+
+@pytest.fixture
+def torchrun():
+    """The command line that starts two local ranks; `--standalone` lets the rendezvous bind its
+    own port, so no port is chosen in advance and none can be taken in between."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
 class HFReference:

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ from rollflow.config import EngineConfig, load_config
 from rollflow.controller import Controller
 from rollflow.engine.remote import RemoteEngine
 from rollflow.records import SamplingSpec
-from rollflow.testing import greedy_tokens
+from rollflow.testing import greedy_tokens, unused_port
 
 pytestmark = pytest.mark.integration
 
@@ -27,18 +26,13 @@ GREEDY = SamplingSpec(temperature=0.0, max_tokens=24, ignore_eos=True)
 CONFIG = EngineConfig(kv_cache_bytes=128 * 1024 * 1024, max_model_len=512, max_num_seqs=16)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Server:
     """A vLLM server subprocess (in its own process group, so a kill takes its engine too), started
     as `rollflow serve-engine` starts one."""
 
     def __init__(self) -> None:
-        port = free_port()
+        port = unused_port()
         # Through the command line, as the README starts one; it execs vLLM's server.
         command = [sys.executable, "-m", "rollflow", "serve-engine", "--preset", "tiny", "--port", str(port),
                    "--set", f"engine.kv_cache_bytes={CONFIG.kv_cache_bytes}",
@@ -258,7 +252,7 @@ def test_two_nodes_of_trainer_ranks_and_two_servers_one_killed_mid_run(server, t
     from rollflow.ledger import summarize
 
     second = Server()
-    port = free_port()
+    port = unused_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
               "--master-addr", "127.0.0.1", "--master-port", str(port)]

@@ -127,21 +127,15 @@ async def test_tiny_preset_learns_its_reward(tmp_path):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_trainer_ranks_under_torchrun(tmp_path, lora):
+def test_two_trainer_ranks_under_torchrun(tmp_path, lora, torchrun):
     """torchrun, 2 gloo ranks with FSDP2: rank 0 runs the controller, rank 1 follows; the run is
     on-policy (max_lag 0), so the sharded trainer must agree with the engine token for token.
     With LoRA, every adapter gather is collective: rank 1 must take part in each one."""
     import os
-    import socket
     import subprocess
-    import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), "-m", "rollflow", "train", "--preset", "tiny", "--max-steps", "3",
+        [*torchrun, "-m", "rollflow", "train", "--preset", "tiny", "--max-steps", "3",
          "--set", "run.max_lag=0", "--output-dir", str(tmp_path),
          *(["--set", "trainer.lora.enabled=true"] if lora else [])],
         capture_output=True, text=True, timeout=300, check=False,
@@ -169,23 +163,17 @@ def test_two_trainer_ranks_under_torchrun(tmp_path, lora):
     assert all(torch.equal(gathered[k], single[k]) for k in gathered)
 
 
-def test_an_error_on_rank_0_mid_step_ends_every_rank(tmp_path):
+def test_an_error_on_rank_0_mid_step_ends_every_rank(tmp_path, torchrun):
     """Rank 0 fails in its second step after announcing it: rank 1 is then inside a collective
     rank 0 will never make. The run must end, every rank with it, within a bound: no `Stop`
     broadcast into the mismatched collective, no wait for the 30-minute collective timeout."""
     import os
     import signal
-    import socket
     import subprocess
-    import sys
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), "-m", "rollflow", "train", "--preset", "tiny", "--max-steps", "4",
+        [*torchrun, "-m", "rollflow", "train", "--preset", "tiny", "--max-steps", "4",
          "--output-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env=dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", ROLLFLOW_FAULT="leader-step:2:raise"),

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -20,22 +18,16 @@ from rollflow.trainer import Trainer
 pytestmark = pytest.mark.integration
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_fsdp2_ranks_equal_one_rank(tmp_path, lora, make_batch, close):
+def test_two_fsdp2_ranks_equal_one_rank(tmp_path, lora, make_batch, close, torchrun):
     config = TrainerConfig(lr=1e-3, micro_batch_tokens=40, lora=LoRAConfig(enabled=lora, rank=4))
     single = Trainer(tiny_model_path(0), config)
     batch = make_batch(single, n=7)
     (tmp_path / "batch.msgpack").write_bytes(msgspec.msgpack.encode(batch))
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), str(Path(__file__).parent / "rank_worker.py"),
+        [*torchrun, str(Path(__file__).parent / "rank_worker.py"),
          str(tmp_path / "batch.msgpack"), str(tmp_path), "1" if lora else "0"],
         capture_output=True, text=True, timeout=300, env=env, check=False,
     )
@@ -65,7 +57,7 @@ def test_two_fsdp2_ranks_equal_one_rank(tmp_path, lora, make_batch, close):
         assert metrics[key] == pytest.approx(want_metrics[key], rel=1e-4, abs=1e-6), key
 
 
-def test_fsdp2_ranks_save_and_restore_a_checkpoint(tmp_path, make_batch):
+def test_fsdp2_ranks_save_and_restore_a_checkpoint(tmp_path, make_batch, torchrun):
     """Each rank writes its shard with torch.distributed.checkpoint; a fresh trainer on every rank
     loads them and takes the same next step as the original, to the bit."""
     config = TrainerConfig(lr=1e-3, micro_batch_tokens=40)
@@ -73,8 +65,7 @@ def test_fsdp2_ranks_save_and_restore_a_checkpoint(tmp_path, make_batch):
     (tmp_path / "batch.msgpack").write_bytes(msgspec.msgpack.encode(batch))
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), str(Path(__file__).parent / "rank_worker.py"),
+        [*torchrun, str(Path(__file__).parent / "rank_worker.py"),
          str(tmp_path / "batch.msgpack"), str(tmp_path), "0", "checkpoint"],
         capture_output=True, text=True, timeout=300, env=env, check=False,
     )

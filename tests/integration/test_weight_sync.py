@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import torch
 
 from rollflow.errors import WeightSyncError
 from rollflow.records import SamplingSpec
+from rollflow.testing import unused_port
 from rollflow.weight_sync import make_transport, plan_for, sync_weights
 
 pytestmark = pytest.mark.integration
@@ -23,11 +23,6 @@ PROMPT = [1, 735, 202, 276, 261, 264, 277, 281, 34, 2, 202, 1, 871, 202]
 GREEDY = SamplingSpec(temperature=0.0, max_tokens=20, ignore_eos=True)
 HERE = Path(__file__).parent
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def greedy(engine, prompt=PROMPT, tag="g") -> list[int]:
@@ -114,7 +109,7 @@ async def test_dead_or_stalled_sender_fails_within_deadline_and_engine_keeps_old
     engine = engine_on_a
     want_a = model_a.greedy(PROMPT, 20)[0]
     version = engine.version
-    port = free_port()
+    port = unused_port()
     sender = subprocess.Popen(
         [sys.executable, str(HERE / "weight_sender.py"), "slow", str(port), str(64 * 1024), "0.2", "3"],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -140,7 +135,7 @@ async def test_dead_or_stalled_sender_fails_within_deadline_and_engine_keeps_old
     assert await greedy(engine) == want_a  # old weights, still serving
 
 
-async def test_two_fsdp2_ranks_sync_into_the_engine(engine_on_a, model_a, tmp_path, make_batch):
+async def test_two_fsdp2_ranks_sync_into_the_engine(engine_on_a, model_a, tmp_path, make_batch, torchrun):
     """Two trainer ranks step under FSDP2, gather in lockstep, and rank 0 sends over gloo."""
     import msgspec
 
@@ -148,12 +143,11 @@ async def test_two_fsdp2_ranks_sync_into_the_engine(engine_on_a, model_a, tmp_pa
     from rollflow.trainer import Trainer
 
     engine = engine_on_a
-    port = free_port()
+    port = unused_port()
     out_file, batch_file = tmp_path / "weights.pt", tmp_path / "batch.msgpack"
     batch_file.write_bytes(msgspec.msgpack.encode(make_batch(Trainer(tiny_model_path(0)), n=4)))
     ranks = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), str(HERE / "weight_sender.py"), "fsdp", str(port), str(out_file),
+        [*torchrun, str(HERE / "weight_sender.py"), "fsdp", str(port), str(out_file),
          str(batch_file)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
