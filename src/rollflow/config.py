@@ -8,6 +8,7 @@ expected (`ConfigError`). This module does not know how components use their set
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -154,7 +155,9 @@ class DataConfig(_Section, frozen=True):
 
 class RolloutConfig(_Section, frozen=True):
     group_size: PosInt = 4
-    """Samples per prompt (GRPO group size G)."""
+    """Samples per prompt (GRPO group size G). Up to (run.max_lag + 1) × run.groups_per_step ×
+    group_size samples are in flight; a run whose samples in flight cannot fit in half the
+    machine's memory is refused at start (`memory_problem`)."""
 
     partial: PartialMode = "keep"
     """What an in-flight sample does at a weight update: `keep` continues under the new weights,
@@ -688,10 +691,50 @@ def context_problem(max_tokens: int, context: int, said: str, note: str = "") ->
     )
 
 
-def training_problems(config: Config) -> list[str]:
-    """What `check_training` refuses, one message per problem."""
+SAMPLE_BYTES = 56 * 1024
+"""Memory one sample in flight holds besides its tokens (its task, the engine's request, its
+record), and `TOKEN_BYTES` more per completion token: rounded up from the tiny preset's peak
+memory (all processes) with 8,192 samples of 16 tokens and 4,096 of 256 tokens in flight
+(about 52 KB + 117 bytes per token)."""
+TOKEN_BYTES = 128
+
+
+def in_flight_samples(config: Config) -> int:
+    """The most samples started and not yet trained: the capacity rule lets (max_lag + 1) steps'
+    samples start ahead of the trainer."""
+    run = config.run
+    return (run.max_lag + 1) * run.groups_per_step * config.rollout.group_size
+
+
+def machine_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_problem(config: Config, memory_bytes: int) -> str | None:
+    """Why the samples the run keeps in flight cannot fit in half of `memory_bytes`, or None."""
+    budget = config.env.max_tokens if config.env.name else config.sampling.max_tokens
+    samples = in_flight_samples(config)
+    needed = samples * (SAMPLE_BYTES + budget * TOKEN_BYTES)
+    if needed <= memory_bytes // 2:
+        return None
+    gib = 1024**3
+    return (
+        f"rollout.group_size: {config.rollout.group_size} samples per group with run.groups_per_step = "
+        f"{config.run.groups_per_step} and run.max_lag = {config.run.max_lag} keep up to {samples:,} samples in "
+        f"flight, about {needed / gib:.1f} GiB at {budget} tokens each, more than half of this machine's "
+        f"{memory_bytes / gib:.1f} GiB; lower rollout.group_size, run.groups_per_step or run.max_lag"
+    )
+
+
+def training_problems(config: Config, memory_bytes: int | None = None) -> list[str]:
+    """What `check_training` refuses, one message per problem (`memory_bytes`: the machine's
+    memory to size the samples in flight against; default: this machine's)."""
     engine, loss, lora = config.engine, config.loss, config.trainer.lora
     problems = []
+    problem = memory_problem(config, machine_memory() if memory_bytes is None else memory_bytes)
+    if problem:
+        problems.append(problem)
     if config.sampling.temperature <= 0:
         problems.append(
             "sampling.temperature: training samples need a temperature > 0 (0 is greedy decoding, which has "

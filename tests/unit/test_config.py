@@ -201,3 +201,26 @@ def test_the_engine_is_started_with_the_resolved_context(tmp_path):
     assert engine_args(str(model), engine.config, "float32").max_model_len == 256
     command = serve_command(model, EngineConfig(), host="127.0.0.1", port=1, dtype="float32")
     assert command[command.index("--max-model-len") + 1] == "256"
+
+
+def test_groups_whose_samples_in_flight_cannot_fit_in_memory_are_refused_at_load():
+    from rollflow.config import in_flight_samples, training_problems
+
+    gib = 1024**3
+    huge = load_config(preset="tiny", overrides=["rollout.group_size=100000"])
+    # 4 groups per step, max_lag 1: up to 2 steps' samples are started before the first step.
+    assert in_flight_samples(huge) == 2 * 4 * 100000
+    problems = training_problems(huge, memory_bytes=24 * gib)
+    assert len(problems) == 1
+    for words in ("rollout.group_size: 100000", "800,000 samples in flight", "run.groups_per_step = 4",
+                  "run.max_lag = 1", "24.0 GiB", "lower rollout.group_size"):
+        assert words in problems[0], words
+    # The same size fits a machine with more memory, and ordinary sizes fit a small one.
+    assert training_problems(huge, memory_bytes=1024 * gib) == []
+    assert training_problems(load_config(preset="default"), memory_bytes=4 * gib) == []
+    # Longer completions cost more per sample: the same group size that fits with short ones does not.
+    short = load_config(preset="tiny", overrides=["rollout.group_size=4000"])
+    long = load_config(preset="tiny", overrides=["rollout.group_size=4000", "sampling.max_tokens=8000",
+                                                 "engine.max_model_len=8192"])
+    assert training_problems(short, memory_bytes=24 * gib) == []
+    assert "rollout.group_size: 4000" in training_problems(long, memory_bytes=24 * gib)[0]
