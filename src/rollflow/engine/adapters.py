@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import tempfile
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from rollflow.config import EngineConfig
 from rollflow.engine import PartialMode
 from rollflow.errors import EngineDeadError, WeightSyncError
+from rollflow.scratch import scratch_dir
 
 
 class Adapters:
@@ -37,8 +37,7 @@ class Adapters:
         from vllm.lora.request import LoRARequest
 
         if self._directory is None:
-            shm = Path("/dev/shm")
-            self._directory = Path(tempfile.mkdtemp(prefix="rollflow-lora-", dir=shm if shm.is_dir() else None))
+            self._directory = scratch_dir("lora", in_memory=True)
         folder = self._directory / f"v{version}"
         folder.mkdir()
         state = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}

@@ -10,12 +10,9 @@ vLLM's `SamplingParams`. No engine is started here.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ import msgspec
 from rollflow.config import CONTEXT_CAP, EngineConfig
 from rollflow.errors import ConfigError
 from rollflow.records import SamplingSpec
+from rollflow.scratch import scratch_dir
 
 WORKER_EXTENSION = "rollflow.engine.worker.WorkerExtension"
 """The class vLLM mixes into its worker (it must be importable in the spawned processes)."""
@@ -57,14 +55,12 @@ def prepare_environment(config: EngineConfig) -> None:
 
 def socket_folder() -> str:
     """A folder of this process for the engines' IPC sockets (vLLM leaves one socket file per
-    engine in the temp directory otherwise), removed when the process exits, on success, on an
-    error and on Ctrl-C alike."""
-    path = tempfile.mkdtemp(prefix="rollflow-ipc-")
-    if len(path) > MAX_SOCKET_FOLDER:  # a socket path (folder + 37) must fit 107 bytes
-        os.rmdir(path)
-        path = tempfile.mkdtemp(prefix="rollflow-ipc-", dir="/tmp")
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path
+    engine in the temp directory otherwise), removed when the process exits (`scratch_dir`)."""
+    path = scratch_dir("ipc")
+    if len(str(path)) > MAX_SOCKET_FOLDER:  # a socket path (folder + 37) must fit 107 bytes
+        path.rmdir()
+        path = scratch_dir("ipc", parent="/tmp")
+    return str(path)
 
 
 MAX_SOCKET_FOLDER = 64

@@ -32,6 +32,7 @@ from typing import Literal, Protocol
 import torch
 
 from rollflow.engine import ManagedEngine, PartialMode
+from rollflow.scratch import scratch_dir
 from rollflow.weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, pack_into, plan_buckets
 from rollflow.weight_sync.gloo import GlooSender
 from rollflow.weight_sync.shm import ShmSender
@@ -161,7 +162,7 @@ class CheckpointTransport:
 
     def __init__(self, directory: str | Path | None = None) -> None:
         self._own = directory is None
-        self.directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="rollflow-weights-"))
+        self.directory = Path(directory) if directory else scratch_dir("weights") / "model"
 
     async def connect(self, engine: ManagedEngine) -> None:
         return None
@@ -185,8 +186,8 @@ class CheckpointTransport:
         await engine.rpc("rollflow_load_path", str(self.directory))
 
     async def aclose(self) -> None:
-        if self._own:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        if self._own:  # the scratch folder, with any staging folder left beside the weights
+            shutil.rmtree(self.directory.parent, ignore_errors=True)
 
 
 def make_transport(name: TransportName, *, host: str = "127.0.0.1", timeout_s: float = 60.0) -> WeightTransport:
