@@ -90,6 +90,15 @@ def test_train_refuses_an_output_directory_that_holds_a_run(tmp_path):
     assert "already holds a run" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_group_size_that_cannot_fit_in_memory_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    done = run("train", "--preset", "tiny", "--set", "rollout.group_size=100000", "--output-dir", str(out),
+               timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "rollout.group_size: 100000" in done.stderr and "800,000 samples in flight" in done.stderr
+    assert "Traceback" not in done.stderr and not out.exists()
+
+
 def left_behind(temp: Path) -> list[Path]:
     """Sockets anywhere under `temp`, and rollflow's own entries (torch's compile cache may stay)."""
     return [p for p in temp.rglob("*") if p.is_socket() or p.name.startswith("rollflow")]

@@ -244,3 +244,32 @@ async def test_an_engine_server_that_cannot_be_reached_fails_naming_its_url(capl
     with pytest.raises(EngineError, match=rf"vLLM server {url} did not answer /health within 2 s .*last: /health"):
         await RemoteEngine(url, EngineConfig(start_timeout_s=2)).start()
     assert any(f"waiting for vLLM server {url}" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_stop_request_ends_the_run_within_seconds_while_a_reward_call_hangs(tmp_path):
+    """The first Ctrl-C does not wait for a step that cannot come: the rewards of every sample
+    hang (within their 600 s timeout), the run stops at once with a checkpoint of its work."""
+    import threading
+
+    release = threading.Event()
+
+    def stuck(prompts, completions, **kwargs):
+        release.wait(600)
+        return [1.0] * len(completions)
+
+    config = load_config(preset="tiny", overrides=["run.max_steps=4", "sampling.max_tokens=8",
+                                                   'scoring.rewards=[{name = "stuck", timeout_s = 600}]'])
+    controller = fake_controller(config, tmp_path, reward_funcs={"stuck": stuck})
+    run = asyncio.create_task(controller.run())
+    try:
+        while not (tmp_path / "ledger.jsonl").exists():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the first calls are hanging now
+        began = time.monotonic()
+        controller.request_stop()
+        result = await asyncio.wait_for(run, 30)
+        assert time.monotonic() - began < 10
+        assert result.stopped and result.steps == 0
+        assert list((tmp_path / "checkpoints").glob("step-*")), "no checkpoint of the work in flight"
+    finally:
+        release.set()
