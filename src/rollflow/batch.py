@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from rollflow.buffer import lags, withhold_stale
 from rollflow.metrics import histogram
-from rollflow.records import Group, Sample, TrainBatch, TrainSample
+from rollflow.records import Group, Sample, Segment, TrainBatch, TrainSample
 
 
 def train_sample(
@@ -70,7 +72,7 @@ def build_batch(
     `filter_overlong`: samples cut at the token budget keep their place (and their reward in the
     baseline) but none of their tokens is in the loss (`overlong_filtered`).
     """
-    samples, all_lags, sample_lags, withheld, loss_lag_max, overlong = [], [], [], 0, 0, 0
+    samples, all_lags, sample_lags, withheld, loss_lag_max, overlong, splits = [], [], [], 0, 0, 0, 0
     rewards: list[float] = []
     turns: list[int] = []
     kl_terms: list[float] = []
@@ -95,22 +97,31 @@ def build_batch(
             turns.append(sample.turns)
             for name, value in (sample.reward_parts or {reward_name: sample.reward}).items():
                 parts.setdefault(name, []).append(value)
-            mask, n = withhold_stale(sample.versions, sample.loss_mask, step, max_lag)
-            withheld += n
             if filter_overlong and sample.finish_reason == "length":
-                mask = [0] * len(mask)
                 overlong += 1
-            token_lags = lags(sample.versions, step)
-            for lag, kept in zip(token_lags, mask, strict=True):
-                if kept and lag > loss_lag_max:
-                    loss_lag_max = lag
-            all_lags += token_lags
-            sample_lags.append(max(token_lags, default=0))
-            samples.append(
-                train_sample(
-                    sample, advantage, mask, distill_coef=distill_coef, distill_baseline=baseline, token_extra=extra
+            splits += len(sample.segments)
+            # An agent's earlier sequences (history rewritten) train with the episode's advantage.
+            for part in [*(_segment_sample(sample, s) for s in sample.segments), sample]:
+                mask, n = withhold_stale(part.versions, part.loss_mask, step, max_lag)
+                withheld += n
+                if filter_overlong and sample.finish_reason == "length":
+                    mask = [0] * len(mask)
+                token_lags = lags(part.versions, step)
+                for lag, kept in zip(token_lags, mask, strict=True):
+                    if kept and lag > loss_lag_max:
+                        loss_lag_max = lag
+                all_lags += token_lags
+                sample_lags.append(max(token_lags, default=0))
+                samples.append(
+                    train_sample(
+                        part,
+                        advantage,
+                        mask,
+                        distill_coef=distill_coef,
+                        distill_baseline=baseline,
+                        token_extra=extra if part is sample else None,
+                    )
                 )
-            )
             if sample.teacher_logprobs is not None:
                 kl_terms += [b - t for b, t in zip(sample.logprobs, sample.teacher_logprobs, strict=True)]
     mean, std = _mean_std(rewards)
@@ -132,11 +143,27 @@ def build_batch(
         "unscorable": sum(unscorable.values()),
         "unscorable_by_reason": unscorable,
         "overlong_filtered": overlong,
+        "agent_splits": splits,
     }
     if kl_terms:
         stats["teacher_kl"] = sum(kl_terms) / len(kl_terms)
         stats["teacher_gap_abs_max"] = max(abs(k) for k in kl_terms)
     return TrainBatch(step=step, samples=samples, max_tokens=max_tokens), stats
+
+
+def _segment_sample(sample: Sample, segment: Segment) -> Sample:
+    """An earlier sequence of `sample` as a sample of its own (no teacher or process credit)."""
+    return msgspec.structs.replace(
+        sample,
+        prompt_token_ids=segment.prompt_token_ids,
+        completion_token_ids=segment.completion_token_ids,
+        logprobs=segment.logprobs,
+        versions=segment.versions,
+        loss_mask=segment.loss_mask,
+        teacher_logprobs=None,
+        process_rewards=[],
+        segments=[],
+    )
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

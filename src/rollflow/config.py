@@ -198,6 +198,22 @@ class EnvConfig(_Section, frozen=True):
     tool_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
     """Built-in tool environments: per tool call; past it the model reads a timeout error as the result."""
 
+    agent: str = ""
+    """An agent written against the OpenAI chat API runs every episode instead of an environment:
+    `module:function`, `async def agent(task, base_url) -> float | None` (or a sync function, run
+    in a thread). Its calls to `base_url` are served by the run's engine and recorded token by
+    token (`rollflow.agent`). `env.max_turns` bounds its calls, `env.max_tokens` the episode,
+    `env.step_timeout_s` each call."""
+
+    episode_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
+    """With `env.agent`: an episode still running after this is ended, unscorable."""
+
+    agent_host: str = "127.0.0.1"
+    """With `env.agent`: the address the OpenAI-compatible endpoint listens on."""
+
+    agent_port: NonNegInt = 0
+    """With `env.agent`: its port (0: a free one)."""
+
 
 class LoRAConfig(_Section, frozen=True):
     enabled: bool = False
@@ -713,7 +729,7 @@ def machine_memory() -> int:
 
 def memory_problem(config: Config, memory_bytes: int) -> str | None:
     """Why the samples the run keeps in flight cannot fit in half of `memory_bytes`, or None."""
-    budget = config.env.max_tokens if config.env.name else config.sampling.max_tokens
+    budget = config.env.max_tokens if config.env.name or config.env.agent else config.sampling.max_tokens
     samples = in_flight_samples(config)
     needed = samples * (SAMPLE_BYTES + budget * TOKEN_BYTES)
     if needed <= memory_bytes // 2:
@@ -750,10 +766,12 @@ def training_problems(config: Config, memory_bytes: int | None = None) -> list[s
             f'data.paths: files are read only by data.task = "jsonl" (any dataset file), but the task is '
             f'{config.data.task!r}; set data.task = "jsonl" or remove data.paths'
         )
-    if config.env.name and config.data.template == "raw":
+    if config.env.name and config.env.agent:
+        problems.append("env.agent: an agent runs the episodes itself; it cannot be combined with env.name")
+    if (config.env.name or config.env.agent) and config.data.template == "raw":
         problems.append(
-            'data.template: environments render conversations with the chat template; "raw" prompts cannot be used '
-            f"with env.name = {config.env.name!r}"
+            'data.template: environments and agents render conversations with the chat template; "raw" prompts '
+            f"cannot be used with env.name = {config.env.name!r} / env.agent = {config.env.agent!r}"
         )
     if loss.is_mode in ("mis", "seq_mis") and loss.is_low >= loss.is_high:
         problems.append(
@@ -765,7 +783,7 @@ def training_problems(config: Config, memory_bytes: int | None = None) -> list[s
             f"engine.max_loras: {engine.max_loras} adapters cannot hold every version still in use with "
             f"run.max_lag = {config.run.max_lag} (at least max_lag + 2 = {config.run.max_lag + 2}; 0 picks that)"
         )
-    budget = config.env.max_tokens if config.env.name else config.sampling.max_tokens
+    budget = config.env.max_tokens if config.env.name or config.env.agent else config.sampling.max_tokens
     if config.rollout.overlong == "soft" and not 0 < config.rollout.overlong_buffer < budget:
         problems.append(
             f'rollout.overlong_buffer: the "soft" penalty needs a buffer between 1 and the token budget - 1 '

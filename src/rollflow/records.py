@@ -45,6 +45,17 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
 
 
+class Segment(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """An earlier part of a sample recorded as a sequence of its own (an agent that rewrote its
+    conversation's history): trained with the sample's advantage."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    loss_mask: list[int]
+
+
 class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One completion of one prompt, with per-token provenance."""
 
@@ -77,6 +88,9 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     They count in `reward` too; `scoring.process_coef` also credits them to the tokens before them."""
     turns: int = 1
     """Model turns in the completion (more than one for a multi-turn episode)."""
+    segments: list[Segment] = []
+    """Earlier sequences of the same episode, split off when an agent rewrote its history; each
+    shares this sample's reward and advantage (the last sequence is the sample itself)."""
 
     @property
     def num_tokens(self) -> int:

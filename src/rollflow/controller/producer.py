@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from rollflow.advantage import group_advantages, overlong_penalty, process_advantages
+from rollflow.agent import Agent, AgentEpisode, AgentServer, run_agent
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import PendingGroup
 from rollflow.config import Config
@@ -72,6 +73,7 @@ class Producer:
         clock: Callable[[], float],
         spec: SamplingSpec,
         env: EnvFactory | None = None,
+        agent: Agent | None = None,
         chat: ChatFormat | None = None,
         stall: StallWatch,
         teacher: Any = None,
@@ -89,6 +91,21 @@ class Producer:
         self.spec = spec
         self.env = env
         """Makes each episode's environment; None: single-turn samples."""
+        self.agent = agent
+        """Runs each episode against `agent_server` instead of an environment."""
+        self.agent_server = (
+            AgentServer(
+                config.model.path,
+                spec,
+                host=config.env.agent_host,
+                port=config.env.agent_port,
+                call_timeout_s=config.env.step_timeout_s,
+            )
+            if agent is not None
+            else None
+        )
+        self.episodes = env is not None or agent is not None
+        """Samples are multi-turn episodes (an environment's or an agent's)."""
         self.chat = chat
         self.teacher = teacher
         """On-policy distillation: scores the student's tokens (`scoring.teacher`)."""
@@ -223,7 +240,7 @@ class Producer:
         lane = self.trace.lane()
         version, began = self.supervisor.engine.version, self.clock()
         try:
-            if self.env is None:
+            if not self.episodes:
                 sample = await self._stream(prompt, self.spec, group_id, index, progress)
             else:
                 sample = await self._episode(prompt, group_id, index, progress)
@@ -261,7 +278,7 @@ class Producer:
     async def _episode(self, prompt: Prompt, group_id: str, index: int, progress: Progress) -> Sample:
         """A multi-turn episode. Its progress is saved only once it is done: a checkpoint taken
         mid-episode restarts it from its prompt (an environment's state cannot be saved)."""
-        assert self.env is not None and self.chat is not None
+        assert self.chat is not None
         if progress.saved.done is not None:  # finished before the checkpoint this run resumed from
             return progress.saved.done
 
@@ -269,9 +286,22 @@ class Producer:
             turn_prompt = Prompt(id=prompt.id, token_ids=token_ids)
             return await self._stream(turn_prompt, spec, f"{group_id}/t{n}", index, Progress())
 
-        sample = await run_episode(
-            self.env(), prompt, self.spec, turn, self.chat, group_id=group_id, index=index, limits=self.limits
-        )
+        if self.agent is not None:
+            assert self.agent_server is not None
+            episode = AgentEpisode(prompt, self.spec, turn, self.chat, self.limits)
+            sample = await run_agent(
+                self.agent,
+                episode,
+                self.agent_server,
+                group_id=group_id,
+                index=index,
+                timeout_s=self.config.env.episode_timeout_s,
+            )
+        else:
+            assert self.env is not None
+            sample = await run_episode(
+                self.env(), prompt, self.spec, turn, self.chat, group_id=group_id, index=index, limits=self.limits
+            )
         progress.saved = PartialSample(done=sample)
         return sample
 
@@ -283,7 +313,7 @@ class Producer:
         cfg, prompt = self.config, entry.prompt
         began = self.clock()
         texts = [self.tokenizer.decode(s.completion_token_ids, skip_special_tokens=True) for s in samples]
-        prior = [episode_score(s) for s in samples] if self.env is not None else None
+        prior = [episode_score(s) for s in samples] if self.episodes else None
         try:
             results = await self.scorer.score(prompt, texts, [s.completion_token_ids for s in samples], prior)
             if self.teacher is not None:
@@ -329,7 +359,7 @@ class Producer:
         if sample.reward is None:
             return sample
         cfg = self.config
-        budget = cfg.env.max_tokens if self.env is not None else cfg.sampling.max_tokens
+        budget = cfg.env.max_tokens if self.episodes else cfg.sampling.max_tokens
         penalty = overlong_penalty(sample.num_tokens, budget, cfg.rollout.overlong_buffer)
         parts: dict[str, float] = dict(sample.reward_parts or {cfg.run.reward: sample.reward})
         parts["overlong"] = penalty
@@ -373,8 +403,15 @@ class Producer:
         self.in_flight.clear()
         return ids
 
-    def close(self) -> None:
+    async def start(self) -> None:
+        """Open the agents' endpoint (with `env.agent`)."""
+        if self.agent_server is not None:
+            await self.agent_server.start()
+
+    async def aclose(self) -> None:
         self._teacher_thread.shutdown(wait=False)
+        if self.agent_server is not None:
+            await self.agent_server.aclose()
 
 
 def _teaches_nothing(scored: list[Sample], credit: list[list[float] | None]) -> bool:

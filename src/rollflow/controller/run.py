@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollflow.agent import Agent, load_agent
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState, rng_state, set_rng_state
 from rollflow.config import Config, check_training, dump_config
@@ -79,6 +80,7 @@ class Controller:
         reward_funcs: dict[str, RewardFunc] | None = None,
         env: EnvFactory | None = None,
         runner: TrainerRunner | None = None,
+        agent: Agent | None = None,
     ):
         """`engine`, `trainer`, `transport` and `tokenizer` default to the real ones built from the
         config; tests pass fakes that honour the same interfaces (`rollflow.testing`). `runner`
@@ -89,7 +91,8 @@ class Controller:
         engine). `reward_funcs`: reward functions by name (TRL signature), added to those
         configured in `[[scoring.rewards]]` (an entry with the same name sets its weight and
         timeout). `env`: makes the `Environment` of each multi-turn episode (default: the one
-        `env.name` names; none: single-turn samples)."""
+        `env.name` names; none: single-turn samples). `agent`: runs each episode against the
+        run's OpenAI-compatible endpoint (default: the function `env.agent` names)."""
         check_training(config)
         check_engines(config)
         self.config = config
@@ -104,7 +107,12 @@ class Controller:
             env = load_environment(config.env.name, tool_timeout_s=config.env.tool_timeout_s)
         self.env = env
         """Makes each episode's environment; None: single-turn samples."""
-        rewards = make_rewards(config.scoring, config.run.reward, reward_funcs, env=env is not None)
+        if agent is None and config.env.agent:
+            agent = load_agent(config.env.agent)
+        self.agent = agent
+        """Runs each episode against the run's OpenAI-compatible endpoint (`rollflow.agent`)."""
+        episodes = env is not None or agent is not None
+        rewards = make_rewards(config.scoring, config.run.reward, reward_funcs, env=episodes)
         self.scorer = Scorer(rewards, max_concurrency=config.scoring.max_concurrency)
         """Every training reward, run on whole groups beside generation."""
         self._stop = asyncio.Event()
@@ -179,6 +187,7 @@ class Controller:
             out.waiting("starting the vLLM engine")
             await self.engine.start()
             await self.weights.strategy.prepare(self.engine)
+            await self.producer.start()
             if cfg.run.eval_prompts and resumed is None:
                 eval_before = (await self._evaluate()).greedy
             if cfg.run.gc_freeze:
@@ -246,7 +255,7 @@ class Controller:
 
     async def setup(self) -> None:
         """Build every component and wire them; nothing starts running here."""
-        parts = await build(self.config, self._given, multi_turn=self.env is not None)
+        parts = await build(self.config, self._given, multi_turn=self.env is not None or self.agent is not None)
         cfg = self.config = parts.config
         self.parts = parts
         self.accounting = Accounting(self.outputs.ledger)
@@ -278,6 +287,7 @@ class Controller:
             clock=self.clock,
             spec=sampling_spec(cfg),
             env=self.env,
+            agent=self.agent,
             chat=parts.chat,
             teacher=parts.teacher,
             stall=self.stall,
@@ -314,7 +324,7 @@ class Controller:
     async def _teardown(self) -> None:
         """Account for every prompt, then release ranks, threads, scorers, transport and engine."""
         self._settle()
-        self.producer.close()
+        await self.producer.aclose()
         await self.parts.runner.aclose()
         await self.scorer.aclose()
         await self.parts.transport.aclose()
@@ -399,10 +409,15 @@ async def train(
     resume: bool = False,
     reward_funcs: dict[str, RewardFunc] | None = None,
     env: EnvFactory | None = None,
+    agent: Agent | None = None,
 ) -> RunResult:
     """Run training in the current event loop; writes config.toml, metrics.jsonl, ledger.jsonl
     and checkpoints. `resume`: continue the run in `output_dir` from its latest checkpoint.
     `reward_funcs`: reward functions by name (TRL signature), besides the configured ones.
-    `env`: makes each episode's `Environment` (multi-turn), instead of the one `env.name` names."""
-    controller = Controller(config, output_dir, on_step=on_step, resume=resume, reward_funcs=reward_funcs, env=env)
+    `env`: makes each episode's `Environment` (multi-turn), instead of the one `env.name` names.
+    `agent`: an OpenAI-API agent runs each episode (`rollflow.agent`), instead of the one
+    `env.agent` names."""
+    controller = Controller(
+        config, output_dir, on_step=on_step, resume=resume, reward_funcs=reward_funcs, env=env, agent=agent
+    )
     return await controller.run()

@@ -171,7 +171,7 @@ class TrainingLoop:
             step,
             groups,
             max_lag=cfg.run.max_lag,
-            max_tokens=cfg.env.max_tokens if self.producer.env else cfg.sampling.max_tokens,
+            max_tokens=cfg.env.max_tokens if self.producer.episodes else cfg.sampling.max_tokens,
             reward_name=cfg.run.reward,
             distill_coef=cfg.scoring.distill_coef,
             filter_overlong=cfg.rollout.overlong == "filter",

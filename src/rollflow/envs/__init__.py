@@ -85,9 +85,15 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.eos_text = tokenizer.eos_token or ""
 
-    def render(self, messages: list[Message]) -> str:
+    def render(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as the model reads it, ready for its next turn (`tools`: OpenAI tool
+        definitions, for templates that show them)."""
+        extra = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
+            [{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=True,
+            tokenize=False,
+            **extra,
         )
 
     def tokens(self, text: str) -> list[int]:
@@ -99,9 +105,11 @@ class ChatFormat:
             return turn_text[: -len(self.eos_text)]
         return turn_text
 
-    def extend(self, rendered: str, messages: list[Message]) -> tuple[str, list[int]]:
+    def extend(
+        self, rendered: str, messages: list[Message], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[int]]:
         """(the conversation's new rendering, the tokens it adds after `rendered`)."""
-        full = self.render(messages)
+        full = self.render(messages, tools)
         if not full.startswith(rendered):
             raise ValueError(
                 "the chat template does not render a conversation as an extension of its earlier turns "

@@ -1,0 +1,113 @@
+"""Agents written against the OpenAI chat API, trained as they are.
+
+`env.agent = "module:function"` names `async def agent(task, base_url) -> float | None` (a sync
+function runs in a thread). For each episode the run opens a base URL on its OpenAI-compatible
+endpoint (`rollflow.agent.server`), calls the agent with the episode's `AgentTask` and that URL,
+and records every completion it serves token-in/token-out (`rollflow.agent.episode`): the
+sampled tokens exactly, their behaviour log-probs and per-token versions, the agent's tool results
+and messages masked out of the loss.
+
+The agent's return value is the episode's reward (the part `env`); None leaves scoring to
+`[[scoring.rewards]]`, which read the episode's last conversation as the completion. An agent that
+raises, returns something other than a finite number or None, or runs past `env.episode_timeout_s`
+makes its episode unscorable with the reason; the run goes on. This module does not generate
+(the producer's `generate` does) or score.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
+from rollflow.agent.server import AgentServer
+from rollflow.records import Prompt, Sample
+
+__all__ = ["AgentEpisode", "AgentServer", "AgentTask", "BadRequest", "Reply", "load_agent", "run_agent"]
+
+Agent = Callable[..., Any]
+"""`agent(task: AgentTask, base_url: str) -> float | None`, sync or async."""
+
+
+class AgentTask(msgspec.Struct, frozen=True, kw_only=True):
+    """What an agent is given for one episode."""
+
+    id: str
+    """The prompt's id (the ledger's key)."""
+    messages: list[dict[str, str]]
+    """The prompt's messages in the OpenAI form (`{"role": ..., "content": ...}`)."""
+    model: str
+    """The model name to ask the endpoint for."""
+    answer: str | None = None
+    """The prompt's reference answer, if the dataset has one."""
+    task: str = ""
+    metadata: dict[str, Any] = {}
+
+    @property
+    def prompt(self) -> str:
+        """The last user message's text."""
+        users = [m["content"] for m in self.messages if m["role"] == "user"]
+        return users[-1] if users else ""
+
+
+def task_of(prompt: Prompt, model: str) -> AgentTask:
+    return AgentTask(
+        id=prompt.id,
+        messages=[{"role": m.role, "content": m.content} for m in prompt.messages],
+        model=model,
+        answer=prompt.answer,
+        task=prompt.task,
+        metadata=dict(prompt.metadata),
+    )
+
+
+def load_agent(name: str) -> Agent:
+    """The function `env.agent` names (`module:function`)."""
+    from rollflow.scoring import load_function
+
+    return load_function(name, "env.agent")
+
+
+async def run_agent(
+    agent: Agent,
+    episode: AgentEpisode,
+    server: AgentServer,
+    *,
+    group_id: str,
+    index: int,
+    timeout_s: float,
+) -> Sample:
+    """Run one episode of `agent` against its own base URL; the recorded sample, unscorable with
+    the reason when the agent failed."""
+    key, base_url = server.open(episode)
+    task = task_of(episode.prompt, server.model)
+    failure: str | None = None
+    reward: float | None = None
+    try:
+        if inspect.iscoroutinefunction(agent):
+            result = await asyncio.wait_for(agent(task, base_url), timeout_s)
+        else:
+            result = await asyncio.wait_for(asyncio.to_thread(agent, task, base_url), timeout_s)
+        reward, failure = _checked(result)
+    except TimeoutError:
+        failure = f"agent: timed out after {timeout_s:g} s (env.episode_timeout_s)"
+    except Exception as err:  # the agent's bug ends its episode, not the run
+        failure = f"agent: raised {type(err).__name__}: {err}"
+    finally:
+        server.close(key)
+    return episode.sample(group_id, index, reward=reward, failure=failure)
+
+
+def _checked(result: Any) -> tuple[float | None, str | None]:
+    """(the reward, None), or (None, why the result is not one)."""
+    if result is None:
+        return None, None
+    if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(result):
+        shown = repr(result)[:80]
+        return None, f"agent: returned {shown} ({type(result).__name__}), expected a finite number or None"
+    return float(result), None

@@ -1,0 +1,289 @@
+"""One agent episode: the OpenAI chat calls of one agent run, recorded token-in/token-out.
+
+The episode keeps a conversation as one token sequence, as `rollflow.envs.run_episode` does: the
+opening messages rendered with the chat template, then each model turn's tokens exactly as
+sampled (log-probs and per-token versions kept), then what the agent added before its next call
+(tool results, user messages) rendered and tokenised on its own (`ChatFormat.extend`), with loss
+mask 0.
+
+A call continues the conversation when its messages start with every message of the conversation
+so far, the model's replies as they were returned (same text, same tool calls). Anything else (a
+message dropped or edited, a reply replaced, the tools changed) rewrites history: the conversation
+so far is closed as a segment and the call starts a new one. The episode's sample is its last
+conversation, with the earlier ones as its `segments` (trained with the same reward and advantage).
+This module does not serve HTTP (`rollflow.agent.server`) or run the agent (`rollflow.agent`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from rollflow.envs import ChatFormat, EpisodeLimits, GenerateTurn
+from rollflow.envs.tools import parse_tool_calls
+from rollflow.records import Message, Prompt, Sample, SamplingSpec, Segment
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+
+
+class BadRequest(Exception):
+    """A request the run cannot honour; `param` names the field (OpenAI's error body)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Reply(msgspec.Struct, frozen=True, kw_only=True):
+    """One call's answer, in the terms of the OpenAI API."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]] = []
+    finish_reason: str
+    """`stop`, `length` or `tool_calls`."""
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    prompt_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Conversation:
+    """One token sequence of an episode."""
+
+    keys: list[Any]
+    """The messages it holds as the agent sends them (`message_key`), after the tools' key."""
+    canonical: list[Message]
+    """The same messages as the chat template renders them."""
+    rendered: str
+    opening: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+    def segment(self) -> Segment:
+        return Segment(
+            prompt_token_ids=self.opening,
+            completion_token_ids=self.tokens,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            loss_mask=self.mask,
+        )
+
+
+def text_of(content: Any, param: str) -> str:
+    """A message's text: a string, null, or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise BadRequest("expected a string or a list of text parts (images and audio are not supported)", param)
+
+
+def _arguments(raw: Any) -> Any:
+    """Tool-call arguments as data (OpenAI sends them as a JSON string)."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+    return raw
+
+
+def _calls(message: dict[str, Any], param: str) -> list[tuple[str, Any]]:
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise BadRequest("expected a list of tool calls", f"{param}.tool_calls")
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRequest("expected {'function': {'name': ..., 'arguments': ...}}", f"{param}.tool_calls[{i}]")
+        out.append((function["name"], _arguments(function.get("arguments", "{}"))))
+    return out
+
+
+def message_key(message: Any, i: int) -> tuple[str, str, str]:
+    """What identifies a message when a later call sends it back: role, text, tool calls."""
+    param = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise BadRequest("expected an object with a role and content", param)
+    role = message.get("role")
+    if role not in ROLES:
+        raise BadRequest(f"unknown role {role!r}; expected one of {', '.join(ROLES)}", f"{param}.role")
+    calls = _calls(message, param)
+    return role, text_of(message.get("content"), f"{param}.content"), json.dumps(calls, sort_keys=True)
+
+
+def canonical(key: tuple[str, str, str]) -> Message:
+    """A message as the chat template renders it: an assistant's tool calls in the Hermes
+    `<tool_call>` form the model writes, `developer` as `system`."""
+    role, text, calls = key
+    for name, arguments in json.loads(calls):
+        text += "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+    return Message(role="system" if role == "developer" else role, content=text)
+
+
+class AgentEpisode:
+    """The calls of one agent run (made one at a time: an episode's calls are serialised)."""
+
+    def __init__(
+        self,
+        prompt: Prompt,
+        sampling: SamplingSpec,
+        generate: GenerateTurn,
+        chat: ChatFormat,
+        limits: EpisodeLimits,
+    ) -> None:
+        self.prompt = prompt
+        self.sampling = sampling
+        self.generate = generate
+        self.chat = chat
+        self.limits = limits
+        self.current: Conversation | None = None
+        self.closed: list[Conversation] = []
+        """Conversations ended by a history rewrite, oldest first."""
+        self.calls = 0
+        """Model turns generated."""
+        self.interruptions = 0
+        self._lock = asyncio.Lock()
+
+    async def complete(
+        self,
+        messages: Any,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        parse_tools: bool = True,
+    ) -> Reply:
+        """Answer one chat call with the model's next turn (raises `BadRequest`)."""
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("expected a non-empty list of messages", "messages")
+        keys = [json.dumps(tools or [], sort_keys=True), *(message_key(m, i) for i, m in enumerate(messages))]
+        async with self._lock:
+            if self.calls >= self.limits.max_turns:
+                return Reply(content="", finish_reason="length")
+            conv = self._continue(keys, tools)
+            if conv is None:
+                return Reply(content="", finish_reason="length")
+            room = min(
+                self.limits.max_tokens - len(conv.tokens),
+                self.limits.max_model_len - len(conv.opening) - len(conv.tokens),
+            )
+            budget = min(max_tokens or self.sampling.max_tokens, self.sampling.max_tokens, room)
+            if budget <= 0:
+                return Reply(content="", finish_reason="length")
+            spec = msgspec.structs.replace(self.sampling, max_tokens=budget, seed=seed)
+            turn = await self.generate(conv.opening + conv.tokens, spec, self.calls)
+            self.calls += 1
+            self.interruptions += turn.interruptions
+            conv.tokens += turn.completion_token_ids
+            conv.logprobs += turn.logprobs
+            conv.versions += turn.versions
+            conv.mask += [1] * turn.num_tokens
+            conv.finish_reason = turn.finish_reason
+            raw = self.chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=False)
+            conv.rendered += raw
+            conv.canonical.append(Message(role="assistant", content=self.chat.assistant_content(raw)))
+            reply = self._reply(turn.completion_token_ids, turn.logprobs, turn.finish_reason, parse_tools)
+            returned = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
+            conv.keys.append(message_key(returned, len(conv.keys)))
+            return msgspec.structs.replace(reply, prompt_tokens=len(conv.opening) + len(conv.tokens) - turn.num_tokens)
+
+    def _continue(self, keys: list[Any], tools: list[dict[str, Any]] | None) -> Conversation | None:
+        """The conversation this call extends (its new messages appended as environment tokens),
+        or a new one after a history rewrite; None when the new messages leave no room."""
+        conv = self.current
+        if conv is not None and len(keys) > len(conv.keys) and keys[: len(conv.keys)] == conv.keys:
+            added_keys = keys[len(conv.keys) :]
+            messages = conv.canonical + [canonical(k) for k in added_keys]
+            try:
+                rendered, added = self.chat.extend(conv.rendered, messages, tools)
+            except ValueError:  # the template re-renders earlier turns differently: start over
+                added = None
+            if added is not None:
+                limit = min(self.limits.max_tokens, self.limits.max_model_len - len(conv.opening))
+                if len(conv.tokens) + len(added) >= limit:
+                    return None
+                last_version = conv.versions[-1] if conv.versions else 0
+                conv.tokens += added
+                conv.logprobs += [0.0] * len(added)
+                conv.versions += [last_version] * len(added)
+                conv.mask += [0] * len(added)
+                conv.keys += added_keys
+                conv.canonical, conv.rendered = messages, rendered
+                return conv
+        messages = [canonical(k) for k in keys[1:]]
+        rendered = self.chat.render(messages, tools)
+        opening = self.chat.tokens(rendered)
+        if len(opening) >= self.limits.max_model_len:
+            raise BadRequest(
+                f"the conversation is {len(opening)} tokens, no room to generate in engine.max_model_len = "
+                f"{self.limits.max_model_len}",
+                "messages",
+            )
+        if conv is not None and conv.tokens:
+            self.closed.append(conv)
+        self.current = Conversation(keys=list(keys), canonical=messages, rendered=rendered, opening=opening)
+        return self.current
+
+    def _reply(self, token_ids: list[int], logprobs: list[float], finish_reason: str, parse_tools: bool) -> Reply:
+        text = self.chat.tokenizer.decode(token_ids, skip_special_tokens=True)
+        calls, _ = parse_tool_calls(text) if parse_tools else ([], None)
+        if not calls:
+            return Reply(content=text, finish_reason=finish_reason, token_ids=token_ids, logprobs=logprobs)
+        content = _CALL_BLOCK.sub("", text).strip() or None
+        tool_calls = [
+            {
+                "id": f"call_{self.calls}_{i}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for i, c in enumerate(calls)
+        ]
+        return Reply(
+            content=content,
+            tool_calls=tool_calls,
+            finish_reason="tool_calls" if finish_reason == "stop" else finish_reason,
+            token_ids=token_ids,
+            logprobs=logprobs,
+        )
+
+    @property
+    def splits(self) -> int:
+        return len(self.closed)
+
+    def sample(self, group_id: str, index: int, *, reward: float | None, failure: str | None) -> Sample:
+        """The episode as one sample: its last conversation, earlier ones as segments; `reward`
+        (the agent's) as a process reward at its last token."""
+        conv = self.current
+        if conv is None:
+            failure = failure or "agent: made no call to its endpoint"
+        steps = [(len(conv.tokens) - 1, reward)] if conv is not None and conv.tokens and reward is not None else []
+        return Sample(
+            prompt_id=self.prompt.id,
+            group_id=group_id,
+            index=index,
+            prompt_token_ids=conv.opening if conv is not None else self.prompt.token_ids,
+            completion_token_ids=conv.tokens if conv is not None else [],
+            logprobs=conv.logprobs if conv is not None else [],
+            versions=conv.versions if conv is not None else [],
+            loss_mask=conv.mask if conv is not None else [],
+            finish_reason=conv.finish_reason if conv is not None else "stop",
+            sampling=self.sampling,
+            interruptions=self.interruptions,
+            unscorable=failure,
+            process_rewards=steps,
+            turns=max(self.calls, 1),
+            segments=[c.segment() for c in self.closed],
+        )

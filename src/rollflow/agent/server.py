@@ -1,0 +1,241 @@
+"""The OpenAI-compatible endpoint a run serves its agents (aiohttp, 127.0.0.1 by default).
+
+Each episode has its own base URL, `http://HOST:PORT/episodes/<id>/v1`, so an agent needs only
+`base_url` and concurrent episodes never mix. Routes under it: `POST /chat/completions` and
+`GET /models`. A request the run cannot honour — another model, a sampling setting other than
+the run's (the importance-sampling correction assumes the run's distribution), `n` > 1, stop
+sequences, constrained decoding — gets an OpenAI-style error body (`{"error": {"message",
+"type", "param", "code"}}`) and status 400; nothing is silently changed.
+
+`stream: true` is answered as server-sent events in the API's chunk format; the chunks are sent
+once the turn has been generated (the turn is recorded first), not token by token. This module
+does not record tokens (`rollflow.agent.episode`) or run agents (`rollflow.agent`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import time
+from typing import Any
+
+from aiohttp import web
+
+from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
+from rollflow.records import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+_CHANGES_SAMPLING = ("frequency_penalty", "presence_penalty", "logit_bias", "response_format", "top_k", "min_p")
+
+
+class AgentServer:
+    """Serves every episode of a run; `open` gives an episode its base URL."""
+
+    def __init__(
+        self,
+        model: str,
+        sampling: SamplingSpec,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        call_timeout_s: float = 60.0,
+    ) -> None:
+        self.model = model
+        """The name requests must ask for (`GET /v1/models` lists it)."""
+        self.sampling = sampling
+        self.host = host
+        self.port = port
+        self.call_timeout_s = call_timeout_s
+        self._episodes: dict[str, AgentEpisode] = {}
+        self._runner: web.AppRunner | None = None
+        self.requests = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/episodes/{episode}/v1/models", self._models)
+        app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        sock = socket.create_server((self.host, self.port))  # bound here: port 0 gives a free one
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock).start()
+
+    async def aclose(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def open(self, episode: AgentEpisode) -> tuple[str, str]:
+        """Register an episode; returns (its id, its base URL)."""
+        key = secrets.token_hex(8)
+        self._episodes[key] = episode
+        return key, f"{self.url}/episodes/{key}/v1"
+
+    def close(self, key: str) -> None:
+        """The episode has ended: its URL answers 404 from now on."""
+        self._episodes.pop(key, None)
+
+    # ---- routes ------------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rollflow"}]}
+        )
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
+        key = request.match_info["episode"]
+        episode = self._episodes.get(key)
+        if episode is None:
+            return _error(404, f"episode {key} is not running (it has ended, or never existed)", None, "not_found")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the request body is not valid JSON", None)
+        except ConnectionResetError:  # the agent went away (its episode ended) mid-request
+            return web.Response(status=499)
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object", None)
+        try:
+            call = self._check(body)
+            reply = await asyncio.wait_for(episode.complete(body.get("messages"), **call), self.call_timeout_s)
+        except BadRequest as err:
+            return _error(400, str(err), err.param)
+        except TimeoutError:
+            return _error(
+                504,
+                f"the model's turn took longer than {self.call_timeout_s:g} s (env.step_timeout_s)",
+                None,
+                "timeout",
+            )
+        created, rid = int(time.time()), f"chatcmpl-{secrets.token_hex(12)}"
+        logprobs = self._logprobs(episode, reply) if body.get("logprobs") else None
+        if body.get("stream"):
+            return await self._stream(request, reply, rid, created, logprobs, body)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            message["tool_calls"] = reply.tool_calls
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model,
+                "choices": [
+                    {"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": logprobs}
+                ],
+                "usage": _usage(reply),
+            }
+        )
+
+    def _check(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The call's settings, or `BadRequest` for one the run cannot honour."""
+        if body.get("model") != self.model:
+            raise BadRequest(f"this endpoint serves the model {self.model!r}, not {body.get('model')!r}", "model")
+        for name, ours in (("temperature", self.sampling.temperature), ("top_p", self.sampling.top_p)):
+            value = body.get(name)
+            if value is not None and (not isinstance(value, (int, float)) or abs(value - ours) > 1e-6):
+                raise BadRequest(
+                    f"this run samples with {name} = {ours} (sampling.{name}); a request cannot change it, since "
+                    f"training corrects for the distribution the run samples from",
+                    name,
+                )
+        if body.get("n") not in (None, 1):
+            raise BadRequest("n must be 1: each call is one turn of the episode", "n")
+        if body.get("stop"):
+            raise BadRequest(
+                "stop sequences are not supported: the run's sampling ends turns at end of sequence", "stop"
+            )
+        for name in _CHANGES_SAMPLING:
+            if body.get(name) not in (None, 0, 0.0, {}):
+                raise BadRequest(f"{name} would change the distribution the run samples from", name)
+        if body.get("top_logprobs"):
+            raise BadRequest("top_logprobs is not supported (logprobs of the sampled tokens are)", "top_logprobs")
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise BadRequest(
+                'tool_choice must be "auto" or "none": a forced call would need constrained decoding', "tool_choice"
+            )
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise BadRequest("expected a list of tools", "tools")
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0):
+            raise BadRequest("expected a positive integer", "max_completion_tokens")
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise BadRequest("expected an integer", "seed")
+        return {"tools": tools or None, "max_tokens": limit, "seed": seed, "parse_tools": choice != "none"}
+
+    def _logprobs(self, episode: AgentEpisode, reply: Reply) -> dict[str, Any]:
+        tokenizer = episode.chat.tokenizer
+        return {
+            "content": [
+                {
+                    "token": tokenizer.decode([t]),
+                    "logprob": lp,
+                    "bytes": list(tokenizer.decode([t]).encode()),
+                    "top_logprobs": [],
+                }
+                for t, lp in zip(reply.token_ids, reply.logprobs, strict=True)
+            ]
+        }
+
+    async def _stream(
+        self,
+        request: web.Request,
+        reply: Reply,
+        rid: str,
+        created: int,
+        logprobs: dict[str, Any] | None,
+        body: dict[str, Any],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
+            chunk = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}],
+            }
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        await send({"role": "assistant", "content": reply.content or ""}, logprobs=logprobs)
+        if reply.tool_calls:
+            await send({"tool_calls": [{"index": i, **call} for i, call in enumerate(reply.tool_calls)]})
+        await send({}, reply.finish_reason)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model,
+                "choices": [],
+                "usage": _usage(reply),
+            }
+            await response.write(f"data: {json.dumps(usage)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    n = len(reply.token_ids)
+    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": n, "total_tokens": reply.prompt_tokens + n}
+
+
+def _error(status: int, message: str, param: str | None, code: str | None = None) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}}, status=status)

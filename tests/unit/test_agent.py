@@ -1,0 +1,333 @@
+"""The agents' OpenAI-compatible endpoint and its recording, with scripted model turns: the real
+aiohttp server, the real `openai` client and the tiny model's real tokenizer; only the model's
+turns are scripted, so every recorded token can be checked. Real vLLM is in
+tests/integration/test_agent.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+
+from rollflow.agent import AgentEpisode, AgentServer, run_agent
+from rollflow.batch import build_batch
+from rollflow.envs import ChatFormat, EpisodeLimits
+from rollflow.models import load_tokenizer, tiny_model_path
+from rollflow.records import Group, Message, Prompt, Sample, SamplingSpec
+
+SPEC = SamplingSpec(temperature=1.0, max_tokens=64)
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatFormat(load_tokenizer(tiny_model_path(0)))
+
+
+class Script:
+    """The model's turns, in order: each a text whose tokens (and the end-of-turn token) are
+    "sampled" with log-prob -0.1 × position and the version in `version`."""
+
+    def __init__(self, chat: ChatFormat, turns: list[str]) -> None:
+        self.chat, self.turns, self.seen, self.version = chat, list(turns), [], 0
+
+    async def __call__(self, token_ids: list[int], spec: SamplingSpec, n: int) -> Sample:
+        self.seen.append(list(token_ids))
+        ids = self.chat.tokens(self.turns.pop(0))[: spec.max_tokens - 1]
+        ids.append(self.chat.tokenizer.eos_token_id)
+        await asyncio.sleep(0)
+        return Sample(
+            prompt_id="p", group_id="g", index=0, prompt_token_ids=token_ids, completion_token_ids=ids,
+            logprobs=[-0.1 * i for i in range(len(ids))], versions=[self.version] * len(ids),
+            loss_mask=[1] * len(ids), finish_reason="stop", sampling=spec,
+        )
+
+
+def episode(chat, turns, **limits) -> tuple[AgentEpisode, Script]:
+    prompt = Prompt(id="p1", token_ids=[1], messages=[Message(role="user", content="What is 2 + 3?")], answer="5")
+    script = Script(chat, turns)
+    return AgentEpisode(prompt, SPEC, script, chat, EpisodeLimits(**({"max_tokens": 512} | limits))), script
+
+
+@pytest.fixture
+async def server():
+    server = AgentServer("tiny", SPEC)
+    await server.start()
+    yield server
+    await server.aclose()
+
+
+async def calculator_agent(task, base_url):
+    """An ordinary OpenAI tool loop: call the model, run its tool calls, call again."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    messages = list(task.messages)
+    async with client:
+        for _ in range(4):
+            reply = await client.chat.completions.create(model=task.model, messages=messages, tools=tools,
+                                                         logprobs=True)
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                return 1.0 if (message.content or "").strip() == task.answer else 0.0
+            for call in message.tool_calls:
+                expression = json.loads(call.function.arguments)["expression"]
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expression))})
+    return 0.0
+
+
+async def test_a_tool_loop_is_recorded_as_one_sequence_with_exactly_the_sampled_tokens(chat, server):
+    ep, script = episode(chat, [CALL, "5"])
+    sample = await run_agent(calculator_agent, ep, server, group_id="g0", index=0, timeout_s=30)
+    assert sample.unscorable is None and sample.process_rewards == [(sample.num_tokens - 1, 1.0)]
+    assert sample.turns == 2 and sample.segments == []
+    eos = chat.tokenizer.eos_token_id
+    first, second = [*chat.tokens(CALL), eos], [*chat.tokens("5"), eos]
+    # model tokens as sampled, then the tool result rendered by the template, then the answer
+    tool = sample.completion_token_ids[len(first) : len(sample.completion_token_ids) - len(second)]
+    assert sample.completion_token_ids == first + tool + second
+    assert sample.loss_mask == [1] * len(first) + [0] * len(tool) + [1] * len(second)
+    assert "5" in chat.tokenizer.decode(tool) and "tool" in chat.tokenizer.decode(tool)
+    assert sample.logprobs[: len(first)] == [-0.1 * i for i in range(len(first))]
+    assert set(sample.logprobs[len(first) : len(first) + len(tool)]) == {0.0}
+    # the second turn was generated from exactly the recorded sequence
+    assert script.seen[1] == sample.prompt_token_ids + first + tool
+    rendered = chat.render([Message(role="user", content="What is 2 + 3?")],
+                           [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}])
+    assert sample.prompt_token_ids == chat.tokens(rendered)
+
+
+async def test_the_client_sees_tool_calls_logprobs_and_usage(chat, server):
+    ep, _ = episode(chat, ["Let me compute. " + CALL])
+    key, url = server.open(ep)
+    async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
+        reply = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "What is 2 + 3?"}], logprobs=True
+        )
+    server.close(key)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me compute."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "2 + 3"}
+    sampled = ep.current.tokens
+    returned = [t.logprob for t in choice.logprobs.content]
+    assert returned == ep.current.logprobs == [-0.1 * i for i in range(len(sampled))]
+    assert "".join(t.token for t in choice.logprobs.content) == chat.tokenizer.decode(sampled)
+    assert reply.usage.completion_tokens == len(sampled) and reply.usage.prompt_tokens == len(ep.current.opening)
+
+
+async def test_streaming_gives_the_same_turn(chat, server):
+    ep, _ = episode(chat, [CALL])
+    _, url = server.open(ep)
+    async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert finishes == ["tool_calls"]
+    assert [tc.function.name for tc in calls] == ["calculator"]
+    assert chunks[-1].usage.completion_tokens == len(ep.current.tokens)
+
+
+async def test_a_history_rewrite_splits_the_episode_and_every_part_trains_with_its_advantage(chat, server):
+    ep, _ = episode(chat, ["first answer", "second answer", "third answer"])
+    key, url = server.open(ep)
+    question = [{"role": "user", "content": "What is 2 + 3?"}]
+    async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
+        one = await client.chat.completions.create(model="tiny", messages=question)
+        # continues: the reply exactly as returned, then a new user message
+        follow = [*question, {"role": "assistant", "content": one.choices[0].message.content},
+                  {"role": "user", "content": "Are you sure?"}]
+        await client.chat.completions.create(model="tiny", messages=follow)
+        assert ep.splits == 0 and ep.calls == 2
+        # rewrites: the first answer edited (a summarising agent does this)
+        edited = [*question, {"role": "assistant", "content": "5"}, {"role": "user", "content": "Sure?"}]
+        await client.chat.completions.create(model="tiny", messages=edited)
+    server.close(key)
+    assert ep.splits == 1
+    sample = ep.sample("g0", 0, reward=1.0, failure=None)
+    (segment,) = sample.segments
+    model_tokens = len(chat.tokens("first answer")) + len(chat.tokens("second answer")) + 2  # each with its end
+    assert segment.loss_mask.count(1) == model_tokens and segment.loss_mask.count(0) > 0
+    assert chat.tokenizer.decode(segment.completion_token_ids).startswith("first answer")
+    assert "Sure?" in chat.tokenizer.decode(sample.prompt_token_ids)  # the new sequence starts from the edit
+    other = msgspec_replace(sample, index=1, reward=0.0, segments=[])
+    group = Group(prompt=ep.prompt, samples=[msgspec_replace(sample, reward=1.0), other], advantages=[0.5, -0.5])
+    batch, stats = build_batch(0, [group], max_lag=1, max_tokens=512, reward_name="env")
+    assert stats["agent_splits"] == 1 and len(batch.samples) == 3
+    assert [s.advantage for s in batch.samples] == [0.5, 0.5, -0.5]
+    assert batch.samples[0].input_ids == segment.prompt_token_ids + segment.completion_token_ids
+
+
+def msgspec_replace(sample, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(sample, **changes)
+
+
+async def test_concurrent_episodes_stay_separate(chat, server):
+    eps = [episode(chat, [f"answer {i}", f"again {i}"])[0] for i in range(6)]
+
+    async def agent(task, base_url):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused") as client:
+            messages = list(task.messages)
+            for _ in range(2):
+                reply = await client.chat.completions.create(model=task.model, messages=messages)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": "more"}]
+        return 0.0
+
+    samples = await asyncio.gather(*(run_agent(agent, ep, server, group_id="g", index=i, timeout_s=30)
+                                     for i, ep in enumerate(eps)))
+    for i, sample in enumerate(samples):
+        text = chat.tokenizer.decode(sample.completion_token_ids)
+        assert f"answer {i}" in text and f"again {i}" in text and sample.segments == []
+        assert not any(f"answer {j}" in text for j in range(6) if j != i)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "words"),
+    [
+        ({"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 400, "model", "serves the model 'tiny'"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 0.2}, 400, "temperature",
+         "samples with temperature = 1.0"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n", "n must be 1"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, 400, "stop",
+         "stop sequences"),
+        ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "unknown role"),
+        ({"model": "tiny", "messages": []}, 400, "messages", "non-empty list"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+         "tool_choice", "constrained decoding"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400,
+         "max_completion_tokens", "positive integer"),
+    ],
+)
+async def test_requests_the_run_cannot_honour_get_an_openai_error_body(chat, server, body, status, param, words):
+    ep, script = episode(chat, ["never"])
+    _, url = server.open(ep)
+    async with aiohttp.ClientSession() as session, session.post(f"{url}/chat/completions", json=body) as response:
+        assert response.status == status
+        error = (await response.json())["error"]
+    assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error"
+    assert script.seen == [] and ep.calls == 0  # nothing was generated
+
+
+async def test_bad_json_an_ended_episode_and_the_openai_client_errors(chat, server):
+    ep, _ = episode(chat, ["x"])
+    key, url = server.open(ep)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/chat/completions", data=b"{not json") as response:
+            assert response.status == 400 and "not valid JSON" in (await response.json())["error"]["message"]
+        server.close(key)
+        async with session.post(f"{url}/chat/completions", json={"model": "tiny", "messages": []}) as response:
+            assert response.status == 404 and "is not running" in (await response.json())["error"]["message"]
+        async with session.get(f"{server.url}/v1/models") as response:
+            assert (await response.json())["data"][0]["id"] == "tiny"
+    _, url = server.open(ep)
+    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError, match="samples with temperature"):
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                 temperature=0)
+
+
+async def raises(task, base_url):
+    raise ValueError("no parser for this")
+
+
+async def returns_text(task, base_url):
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused") as client:
+        await client.chat.completions.create(model=task.model, messages=task.messages)
+    return "1.0"
+
+
+async def hangs(task, base_url):
+    await asyncio.sleep(60)
+
+
+def sync_agent(task, base_url):  # an agent with the synchronous client runs in a thread
+    with openai.OpenAI(base_url=base_url, api_key="unused") as client:
+        reply = client.chat.completions.create(model=task.model, messages=task.messages)
+    return float(len(reply.choices[0].message.content) > 0)
+
+
+@pytest.mark.parametrize(
+    ("agent", "reason"),
+    [
+        (raises, "agent: raised ValueError: no parser for this"),
+        (returns_text, "agent: returned '1.0' (str), expected a finite number or None"),
+        (hangs, "agent: timed out after 0.5 s (env.episode_timeout_s)"),
+        (sync_agent, None),
+    ],
+    ids=["raises", "returns-a-string", "hangs", "sync"],
+)
+async def test_a_failing_agent_makes_its_episode_unscorable_with_the_reason(chat, server, agent, reason):
+    ep, _ = episode(chat, ["some answer"])
+    sample = await run_agent(agent, ep, server, group_id="g", index=0, timeout_s=0.5 if agent is hangs else 30)
+    assert sample.unscorable == reason
+    if reason is None:
+        assert sample.process_rewards == [(sample.num_tokens - 1, 1.0)]
+
+
+async def test_the_episode_budget_ends_turns_with_length(chat, server):
+    ep, script = episode(chat, ["a b c d e f g h", "more"], max_tokens=12, max_turns=4)
+    _, url = server.open(ep)
+    async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
+        one = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}],
+                                                   max_tokens=5)
+        assert one.choices[0].finish_reason == "stop" and one.usage.completion_tokens == 5
+        follow = [{"role": "user", "content": "go"}, one.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "user", "content": "a much longer message that does not fit in what is left"}]
+        two = await client.chat.completions.create(model="tiny", messages=follow)
+    assert two.choices[0].finish_reason == "length" and two.choices[0].message.content == ""
+    assert len(script.seen) == 1 and len(ep.current.tokens) <= 12
+
+
+async def test_a_run_of_agents_labels_every_token_with_the_version_that_computed_it(tmp_path, record_groups):
+    """The whole controller on the fake engine (whose token t is a hash of the context and the
+    version), weight updates landing in the middle of agents' calls (keep mode): replaying each
+    trained sequence shows every model token was computed by exactly the version it is labelled
+    with, and the agent's own messages are never in the loss."""
+    from rollflow.config import load_config
+    from rollflow.controller import Controller
+    from rollflow.ledger import summarize
+    from rollflow.testing import EOS_TOKEN, FakeEngine, FakeTrainer, NullTransport, context_state, fake_token, mix
+
+    episodes = iter(range(1000))
+
+    async def agent(task, base_url):  # 2 to 5 calls: short episodes end while long ones go on
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused") as client:
+            messages = list(task.messages)
+            for turn in range(2 + next(episodes) % 4):
+                reply = await client.chat.completions.create(model=task.model, messages=messages, max_tokens=6)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": f"turn {turn} done, go on"}]
+        return float(len(reply.choices[0].message.content or "") % 3)
+
+    config = load_config(preset="tiny", overrides=["run.max_steps=4", "run.max_lag=1", "sampling.max_tokens=6",
+                                                   "env.max_tokens=300", "env.max_turns=5"])
+    controller = Controller(config, tmp_path, engine=FakeEngine(token_delay=0.002), trainer=FakeTrainer(),
+                            transport=NullTransport(), tokenizer=load_tokenizer(tiny_model_path(0)), agent=agent)
+    result = await asyncio.wait_for(controller.run(), 120)
+    assert result.steps == 4 and summarize(tmp_path).ok
+    spans = 0
+    for group in record_groups:
+        for sample in group.samples:
+            assert 2 <= sample.turns <= 5 and sample.segments == []
+            state = context_state(sample.prompt_token_ids)
+            for token, version, mask in zip(sample.completion_token_ids, sample.versions, sample.loss_mask,
+                                            strict=True):
+                if mask and token != EOS_TOKEN:
+                    assert token == fake_token(state, version, 1000)[0]
+                state = mix(state, token)
+            agents_text = load_tokenizer(tiny_model_path(0)).decode(
+                [t for t, m in zip(sample.completion_token_ids, sample.loss_mask, strict=True) if not m])
+            assert "turn 0 done" in agents_text
+            spans += len(set(sample.versions)) > 1
+    assert spans > 0, "no episode saw a weight update"
