@@ -42,6 +42,7 @@ def bench(session: nox.Session) -> None:
     for script in (
         "bench/engine_overhead.py",
         "bench/remote_engine.py",
+        "bench/agent_endpoint.py",
         "bench/loss_memory.py",
         "bench/packing.py",
         "bench/weight_sync.py",

@@ -4,6 +4,7 @@ One asyncio controller keeps tokens flowing between a vLLM engine and torch trai
 every token records the policy version that produced it. This module is the public API.
 """
 
+from rollflow.agent import AgentTask
 from rollflow.config import Config, load_config
 from rollflow.controller import Controller, RunResult, train
 from rollflow.engine import Engine, EngineOutput
@@ -29,6 +30,7 @@ from rollflow.sampler import Sampler
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgentTask",
     "Batch",
     "CheckpointError",
     "Config",

@@ -79,7 +79,7 @@ class Scored(msgspec.Struct, frozen=True):
     """Process rewards: (index of the completion token ending the step, weighted reward)."""
 
 
-NO_REWARD = "no reward: the environment gave none and no reward function is configured"
+NO_REWARD = "no reward: the environment or agent gave none and no reward function is configured"
 
 
 class Reward:

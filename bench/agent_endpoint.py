@@ -1,0 +1,112 @@
+"""Agent endpoint cost: the same concurrent chat requests generated through `rollout()` directly
+and through the run's OpenAI-compatible endpoint (`rollflow.agent`) by the `openai` client, one
+episode per request, alternating for several rounds in one run.
+
+Both paths render the same messages with the chat template and sample the same number of tokens
+(ignore_eos, fixed max_tokens) on one in-process engine; the endpoint path adds the HTTP round
+trip, the JSON bodies, the request checks and the episode's recording. Prints a table and, last,
+`RESULT agent_endpoint_ratio=<x>` (median over rounds of endpoint tokens/s divided by direct
+tokens/s; 1.0 = no cost) with one HTTP client shared by the episodes' `openai` clients, after
+the same figure with a client made per episode (`agent_endpoint_ratio_client_per_episode`).
+
+    bin/dev python bench/agent_endpoint.py [--requests 32] [--tokens 128] [--rounds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import openai
+from sidebyside import alternate, engine_args, report
+
+from rollflow.agent import AgentEpisode, AgentServer, run_agent
+from rollflow.config import EngineConfig
+from rollflow.engine.vllm import VLLMEngine
+from rollflow.envs import ChatFormat, EpisodeLimits
+from rollflow.models import load_tokenizer, resolve_model
+from rollflow.records import Message, Prompt, SamplingSpec
+from rollflow.rollout import rollout
+
+
+def questions(n: int) -> list[list[Message]]:
+    return [[Message(role="user", content=f"What is {i} + {2 * i + 1}?")] for i in range(n)]
+
+
+async def direct(engine, chat: ChatFormat, spec: SamplingSpec, conversations, tag: str) -> int:
+    samples = await asyncio.gather(
+        *(
+            rollout(engine, Prompt(id=f"{tag}-{i}", token_ids=chat.tokens(chat.render(m))), spec,
+                    group_id=f"{tag}-{i}", index=0)
+            for i, m in enumerate(conversations)
+        )
+    )
+    return sum(s.num_tokens for s in samples)
+
+
+async def through_endpoint(engine, chat, spec, server: AgentServer, conversations, tag: str, http=None) -> int:
+    """`http`: one HTTP client for every episode's `openai` client (None: each makes its own,
+    which costs it an SSL context, about 50 ms of CPU on this machine, even for plain HTTP)."""
+    made = []
+
+    async def agent(task, base_url):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=http)
+        reply = await client.chat.completions.create(model=task.model, messages=task.messages,
+                                                     max_tokens=spec.max_tokens)
+        if http is None:
+            await client.close()
+        made.append(reply.usage.completion_tokens)
+
+    async def generate(token_ids, turn_spec, n):
+        return await rollout(engine, Prompt(id=tag, token_ids=token_ids), turn_spec, group_id=f"{tag}/{n}", index=0)
+
+    limits = EpisodeLimits(max_turns=1, max_tokens=spec.max_tokens, max_model_len=engine.config.max_model_len)
+    await asyncio.gather(
+        *(
+            run_agent(agent, AgentEpisode(Prompt(id=f"{tag}-{i}", token_ids=[], messages=m), spec, generate, chat,
+                                          limits), server, group_id=tag, index=i, timeout_s=600)
+            for i, m in enumerate(conversations)
+        )
+    )
+    return sum(made)
+
+
+async def main(args: argparse.Namespace) -> None:
+    path = resolve_model(args.model)
+    engine = VLLMEngine(path, EngineConfig(max_num_seqs=max(args.requests, 16), max_model_len=1024))
+    chat = ChatFormat(load_tokenizer(path))
+    spec = SamplingSpec(temperature=1.0, max_tokens=args.tokens, ignore_eos=True)
+    server = AgentServer(args.model, spec)
+    conversations = questions(args.requests)
+    http = openai.DefaultAsyncHttpxClient()
+    try:
+        await engine.start()
+        await server.start()
+        await direct(engine, chat, spec, conversations[:4], "warmup")
+        await through_endpoint(engine, chat, spec, server, conversations[:4], "warmup", http)
+        own_clients = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, conversations, tag)),
+                ("endpoint, a client per episode",
+                 lambda tag: through_endpoint(engine, chat, spec, server, conversations, tag)),
+            ],
+            args.rounds,
+        )
+        totals, ratios = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, conversations, tag)),
+                ("endpoint, one HTTP client",
+                 lambda tag: through_endpoint(engine, chat, spec, server, conversations, tag, http)),
+            ],
+            args.rounds,
+        )
+    finally:
+        await http.aclose()
+        await server.aclose()
+        await engine.aclose()
+    report(*own_clients, args, "agent_endpoint_ratio_client_per_episode")
+    report(totals, ratios, args, "agent_endpoint_ratio")
+
+
+if __name__ == "__main__":
+    asyncio.run(main(engine_args(__doc__)))

@@ -1,0 +1,94 @@
+"""Train an agent written only against the OpenAI API: a calculator tool in a ReAct-style loop.
+
+    bin/dev python examples/openai_agent.py
+
+`agent` below knows nothing of rollflow: it gets a task and a `base_url`, talks to it with the
+`openai` client, runs the model's tool calls and says how well the episode went. rollflow serves
+that URL from the run's own engine and records every reply token by token (with the version of
+the weights that computed it); the tool results and the agent's messages are in the sequence but
+not in the loss. The agent's return value is the episode's reward.
+
+The tiny model has random weights: it almost never writes a well-formed tool call or the right
+answer, so the printout shows the mechanics (calls per episode, tool calls, the reward), not a
+skill. With `--preset default` and a model that can call tools, the same agent learns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+
+from openai import AsyncOpenAI
+
+import rollflow
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression over integers: + - * and parentheses.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+SYSTEM = "Answer with a number. You may call the calculator tool first."
+STATS = {"episodes": 0, "calls": 0, "tool_calls": 0}
+
+
+def calculator(expression: str) -> str:
+    if not re.fullmatch(r"[0-9+\-*() ]+", expression):
+        return "error: only integers, + - * and parentheses"
+    try:
+        return str(eval(expression))  # the pattern above admits arithmetic only
+    except SyntaxError:
+        return "error: not an expression"
+
+
+async def agent(task: rollflow.AgentTask, base_url: str) -> float:
+    """Think, act (call the tool), observe, until the model answers without a tool call."""
+    client = AsyncOpenAI(base_url=base_url, api_key="not-needed")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.prompt}]
+    answer = ""
+    async with client:
+        for _ in range(3):
+            reply = await client.chat.completions.create(model=task.model, messages=messages, tools=TOOLS)
+            STATS["calls"] += 1
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                answer = message.content or ""
+                break
+            for call in message.tool_calls:
+                STATS["tool_calls"] += 1
+                try:
+                    result = calculator(**json.loads(call.function.arguments))
+                except (TypeError, json.JSONDecodeError) as err:
+                    result = f"error: {err}"
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    STATS["episodes"] += 1
+    numbers = re.findall(r"-?\d+", answer)
+    return 1.0 if numbers and numbers[-1] == task.answer else 0.0
+
+
+async def main(preset: str) -> None:
+    config = rollflow.load_config(
+        preset=preset, overrides=["run.max_steps=4", "env.max_turns=3", "env.max_tokens=96"]
+    )
+    result = await rollflow.train(config, f"runs/openai-agent-{preset}", agent=agent)
+    for row in result.metrics:
+        print(
+            f"step {row['step']}: reward {row['reward_mean']:.3f}  calls per episode {row['turns_mean']:.2f}  "
+            f"tokens {row['tokens']}  splits {row['agent_splits']}"
+        )
+    print(f"episodes {STATS['episodes']}, calls {STATS['calls']}, tool calls the model wrote {STATS['tool_calls']}")
+
+
+if __name__ == "__main__":  # vLLM spawns processes: keep the guard
+    asyncio.run(main(sys.argv[2] if len(sys.argv) > 2 and sys.argv[1] == "--preset" else "tiny"))

@@ -1,0 +1,107 @@
+"""Agents on the OpenAI-compatible endpoint with real vLLM on the tiny model and the real
+`openai` client: what the client received is what was recorded, token for token, with the
+version of the weights that computed it, across a weight update between two calls; and a short
+training run of agents, some of which fail."""
+
+from __future__ import annotations
+
+import itertools
+
+import openai
+import pytest
+
+import rollflow
+from rollflow.agent import AgentEpisode, AgentServer, run_agent
+from rollflow.envs import ChatFormat, EpisodeLimits
+from rollflow.models import load_tokenizer, tiny_model_path
+from rollflow.records import Message, Prompt, SamplingSpec
+from rollflow.rollout import rollout
+
+pytestmark = pytest.mark.integration
+
+GREEDY = SamplingSpec(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.timeout(300)
+async def test_what_the_client_received_is_recorded_with_exact_versions_across_an_update(
+    engine_on_a, model_a, model_b
+):
+    engine = engine_on_a
+    chat = ChatFormat(load_tokenizer(tiny_model_path(0)))
+    server = AgentServer("tiny", GREEDY)
+    await server.start()
+    turns = []
+
+    async def generate(token_ids, spec, n):
+        sample = await rollout(engine, Prompt(id="ep", token_ids=token_ids), spec, group_id=f"ep/t{n}", index=0)
+        turns.append((list(token_ids), sample))
+        return sample
+
+    replies = []
+
+    async def agent(task, base_url):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+            messages = list(task.messages)
+            for turn in range(2):
+                reply = await client.chat.completions.create(model=task.model, messages=messages, logprobs=True)
+                replies.append(reply)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": "Check your answer."}]
+                if turn == 0:
+                    await engine.update_weights(model_b.state_dict())  # new weights between the calls
+        return 1.0
+
+    prompt = Prompt(id="ep", token_ids=[], messages=[Message(role="user", content="What is 2 + 3?")])
+    version = engine.version
+    try:
+        episode = AgentEpisode(prompt, GREEDY, generate, chat, EpisodeLimits(max_turns=4, max_tokens=200))
+        sample = await run_agent(agent, episode, server, group_id="ep", index=0, timeout_s=120)
+    finally:
+        await server.aclose()
+    assert sample.unscorable is None and sample.turns == 2 and sample.segments == []
+    (context0, turn0), (context1, turn1) = turns
+    n0, n1 = turn0.num_tokens, turn1.num_tokens
+    between = sample.completion_token_ids[n0 : len(sample.completion_token_ids) - n1]
+    assert sample.completion_token_ids == turn0.completion_token_ids + between + turn1.completion_token_ids
+    assert sample.loss_mask == [1] * n0 + [0] * len(between) + [1] * n1
+    assert chat.tokenizer.decode(between).endswith(
+        "<|im_start|>user\nCheck your answer.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert context1 == sample.prompt_token_ids + sample.completion_token_ids[: n0 + len(between)]
+    # What each call returned is exactly what was recorded: the log-probs, and the tokens' text.
+    for reply, turn in zip(replies, (turn0, turn1), strict=True):
+        returned = reply.choices[0].logprobs.content
+        assert [t.logprob for t in returned] == turn.logprobs
+        assert "".join(t.token for t in returned) == chat.tokenizer.decode(turn.completion_token_ids)
+        assert reply.usage.completion_tokens == turn.num_tokens
+    # Versions: the first call under the first weights, the second under those loaded between.
+    assert sample.versions == [version] * (n0 + len(between)) + [version + 1] * n1
+    assert turn0.completion_token_ids == model_a.greedy(context0, n0)[0]
+    assert turn1.completion_token_ids == model_b.greedy(context1, n1)[0]
+
+
+@pytest.mark.timeout(600)
+async def test_a_short_run_of_openai_agents_some_of_which_fail(tmp_path):
+    calls = itertools.count()
+
+    async def agent(task, base_url):
+        n = next(calls)
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+            messages = list(task.messages)
+            reply = await client.chat.completions.create(model=task.model, messages=messages, max_tokens=8)
+            if n % 5 == 4:
+                raise RuntimeError("the agent's parser failed")
+            messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "Once more, shorter."}]
+            reply = await client.chat.completions.create(model=task.model, messages=messages, max_tokens=8)
+        return float(len(reply.choices[0].message.content or "") % 3)
+
+    config = rollflow.load_config(preset="tiny", overrides=["run.max_steps=2", "env.max_tokens=96",
+                                                            "observe.sinks=[]"])
+    result = await rollflow.train(config, tmp_path, agent=agent)
+    assert result.steps == 2 and rollflow.audit_ledger(tmp_path).ok
+    assert all(set(m["rewards"]) == {"env"} and m["agent_splits"] == 0 for m in result.metrics)
+    assert all(m["turns_mean"] == 2.0 for m in result.metrics)  # the failed episodes are not in the batch
+    failed = sum(m["unscorable_by_reason"].get("agent: raised RuntimeError: the agent's parser failed", 0)
+                 for m in result.metrics)
+    assert failed > 0
