@@ -331,3 +331,9 @@ async def test_a_run_of_agents_labels_every_token_with_the_version_that_computed
             assert "turn 0 done" in agents_text
             spans += len(set(sample.versions)) > 1
     assert spans > 0, "no episode saw a weight update"
+
+
+async def test_the_endpoint_listens_on_loopback_only_by_default(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    assert host == "127.0.0.1"
+    assert server._runner.addresses == [("127.0.0.1", int(port))]
