@@ -722,9 +722,22 @@ def in_flight_samples(config: Config) -> int:
     return (run.max_lag + 1) * run.groups_per_step * config.rollout.group_size
 
 
-def machine_memory() -> int:
-    """This machine's physical memory in bytes."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+"""Where a container's memory limit is read (cgroup v2, then v1)."""
+
+
+def machine_memory(limits: tuple[str, ...] = CGROUP_LIMITS) -> int:
+    """The memory this process may use, in bytes: the machine's physical memory, or its
+    container's limit where that is lower."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in limits:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            memory = min(memory, int(text))
+    return memory
 
 
 def memory_problem(config: Config, memory_bytes: int) -> str | None:
@@ -738,8 +751,9 @@ def memory_problem(config: Config, memory_bytes: int) -> str | None:
     return (
         f"rollout.group_size: {config.rollout.group_size} samples per group with run.groups_per_step = "
         f"{config.run.groups_per_step} and run.max_lag = {config.run.max_lag} keep up to {samples:,} samples in "
-        f"flight, about {needed / gib:.1f} GiB at {budget} tokens each, more than half of this machine's "
-        f"{memory_bytes / gib:.1f} GiB; lower rollout.group_size, run.groups_per_step or run.max_lag"
+        f"flight, about {needed / gib:.1f} GiB at {budget} tokens each, more than half of the "
+        f"{memory_bytes / gib:.1f} GiB this machine gives it; lower rollout.group_size, run.groups_per_step or "
+        "run.max_lag"
     )
 
 

@@ -214,7 +214,7 @@ def test_groups_whose_samples_in_flight_cannot_fit_in_memory_are_refused_at_load
     problems = training_problems(huge, memory_bytes=24 * gib)
     assert len(problems) == 1
     for words in ("rollout.group_size: 100000", "800,000 samples in flight", "run.groups_per_step = 4",
-                  "run.max_lag = 1", "24.0 GiB", "lower rollout.group_size"):
+                  "run.max_lag = 1", "24.0 GiB this machine gives it", "lower rollout.group_size"):
         assert words in problems[0], words
     # The same size fits a machine with more memory, and ordinary sizes fit a small one.
     assert training_problems(huge, memory_bytes=1024 * gib) == []
@@ -225,3 +225,15 @@ def test_groups_whose_samples_in_flight_cannot_fit_in_memory_are_refused_at_load
                                                  "engine.max_model_len=8192"])
     assert training_problems(short, memory_bytes=24 * gib) == []
     assert "rollout.group_size: 4000" in training_problems(long, memory_bytes=24 * gib)[0]
+
+
+def test_the_memory_a_run_may_use_is_the_containers_limit_where_that_is_lower(tmp_path):
+    from rollflow.config import machine_memory
+
+    physical = machine_memory(limits=())
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("max\n")  # no limit
+    v1.write_text(f"{2 * 1024**3}\n")
+    assert machine_memory(limits=(str(v2),)) == physical
+    assert machine_memory(limits=(str(v2), str(v1))) == min(physical, 2 * 1024**3)
+    assert machine_memory(limits=(str(tmp_path / "absent"),)) == physical
