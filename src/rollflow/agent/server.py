@@ -8,7 +8,8 @@ sequences, constrained decoding — gets an OpenAI-style error body (`{"error": 
 "type", "param", "code"}}`) and status 400; nothing is silently changed.
 
 `stream: true` is answered as server-sent events in the API's chunk format; the chunks are sent
-once the turn has been generated (the turn is recorded first), not token by token. This module
+once the turn has been generated and recorded, not token by token: in `restart` mode a weight
+update discards the tokens of the turn so far, and what the agent saw must be what is trained. This module
 does not record tokens (`rollflow.agent.episode`) or run agents (`rollflow.agent`).
 """
 
