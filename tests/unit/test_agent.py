@@ -1,7 +1,7 @@
 """The agents' OpenAI-compatible endpoint and its recording, with scripted model turns: the real
 aiohttp server, the real `openai` client and the tiny model's real tokenizer; only the model's
 turns are scripted, so every recorded token can be checked. Real vLLM is in
-tests/integration/test_agent.py."""
+tests/integration/test_agent_vllm.py."""
 
 from __future__ import annotations
 
