@@ -2,10 +2,10 @@
 
 `Producer.run` waits for room under the capacity rule (`buffer.Admission`), draws the next
 prompt and launches its group as one task; the group's G rollouts stream concurrently (single
-turns, or multi-turn episodes with an environment), each surviving engine deaths through the
-supervisor; the finished samples are scored beside generation, get group-relative advantages
-and go into the buffer. A group that cannot be used is dropped with its reason in the ledger and
-gives its admission room back.
+turns, or multi-turn episodes with an environment or an OpenAI-API agent), each surviving
+engine deaths through the supervisor; the finished samples are scored beside generation, get
+group-relative advantages and go into the buffer. A group that cannot be used is dropped with
+its reason in the ledger and gives its admission room back.
 
 Every group lives in ONE registry (`in_flight`) from launch until it is buffered or dropped:
 its prompt, its samples' progress (what a checkpoint saves) and its task. The producer does
