@@ -140,7 +140,7 @@ def test_a_prompt_format_without_its_field_is_refused(overrides, words):
 
 
 def test_the_default_and_tiny_presets_have_no_training_problem():
-    from rollflow.config import training_problems
+    from rollflow.checks import training_problems
 
     assert training_problems(load_config(preset="tiny")) == []
     assert training_problems(load_config(preset="default")) == []
@@ -205,7 +205,7 @@ def test_the_engine_is_started_with_the_resolved_context(tmp_path):
 
 
 def test_groups_whose_samples_in_flight_cannot_fit_in_memory_are_refused_at_load():
-    from rollflow.config import in_flight_samples, training_problems
+    from rollflow.checks import in_flight_samples, training_problems
 
     gib = 1024**3
     huge = load_config(preset="tiny", overrides=["rollout.group_size=100000"])
@@ -228,7 +228,7 @@ def test_groups_whose_samples_in_flight_cannot_fit_in_memory_are_refused_at_load
 
 
 def test_the_memory_a_run_may_use_is_the_containers_limit_where_that_is_lower(tmp_path):
-    from rollflow.config import machine_memory
+    from rollflow.checks import machine_memory
 
     physical = machine_memory(limits=())
     v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"

@@ -19,7 +19,8 @@ from typing import Any
 from rollflow.agent import Agent, load_agent
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState, rng_state, set_rng_state
-from rollflow.config import Config, check_training, dump_config
+from rollflow.checks import check_training
+from rollflow.config import Config, dump_config
 from rollflow.controller.accounting import Accounting
 from rollflow.controller.persistence import Checkpointer, Outputs, prepare_output_dir
 from rollflow.controller.producer import Producer

@@ -16,7 +16,8 @@ from typing import Any
 
 import msgspec
 
-from rollflow.config import Config, context_problem
+from rollflow.checks import context_problem
+from rollflow.config import Config
 from rollflow.controller.trainer_thread import TrainerRunner, TrainerThread
 from rollflow.engine import ManagedEngine
 from rollflow.engine.environment import model_context, resolve_context
