@@ -337,3 +337,26 @@ async def test_the_endpoint_listens_on_loopback_only_by_default(server):
     host, port = server.url.removeprefix("http://").split(":")
     assert host == "127.0.0.1"
     assert server._runner.addresses == [("127.0.0.1", int(port))]
+
+
+async def test_a_call_whose_agent_gave_up_stops_generating(chat, server):
+    """The agent times out while its call is generating: the call's generation is cancelled (and
+    with it the engine request), not run to its end for nobody."""
+    stopped = asyncio.Event()
+
+    async def slow(token_ids, spec, n):
+        try:
+            await asyncio.sleep(60)
+        finally:
+            stopped.set()
+
+    prompt = Prompt(id="p1", token_ids=[1], messages=[Message(role="user", content="hi")])
+    ep = AgentEpisode(prompt, SPEC, slow, chat, EpisodeLimits())
+
+    async def agent(task, base_url):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+            await client.chat.completions.create(model=task.model, messages=task.messages)
+
+    sample = await run_agent(agent, ep, server, group_id="g", index=0, timeout_s=0.5)
+    assert sample.unscorable == "agent: timed out after 0.5 s (env.episode_timeout_s)"
+    await asyncio.wait_for(stopped.wait(), 5)

@@ -64,7 +64,8 @@ class AgentServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A call whose agent went away (its episode timed out, the run ended) stops generating.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         sock = socket.create_server((self.host, self.port))  # bound here: port 0 gives a free one
         self.port = sock.getsockname()[1]
