@@ -360,3 +360,25 @@ async def test_a_call_whose_agent_gave_up_stops_generating(chat, server):
     sample = await run_agent(agent, ep, server, group_id="g", index=0, timeout_s=0.5)
     assert sample.unscorable == "agent: timed out after 0.5 s (env.episode_timeout_s)"
     await asyncio.wait_for(stopped.wait(), 5)
+
+
+async def test_a_run_whose_agents_all_fail_stops_naming_the_reason(tmp_path):
+    """No episode can be scored: #25's stop rule ends the run with the agents' reason, after a
+    checkpoint, instead of spinning."""
+    from rollflow.config import load_config
+    from rollflow.controller import Controller
+    from rollflow.errors import TrainingError
+    from rollflow.testing import FakeEngine, FakeTrainer, NullTransport
+
+    async def broken(task, base_url):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+            await client.chat.completions.create(model=task.model, messages=task.messages, max_tokens=4)
+        raise KeyError("answer")
+
+    config = load_config(preset="tiny", overrides=["run.max_steps=4", "sampling.max_tokens=4"])
+    controller = Controller(config, tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
+                            tokenizer=load_tokenizer(tiny_model_path(0)), agent=broken)
+    with pytest.raises(TrainingError, match="the run cannot learn") as raised:
+        await asyncio.wait_for(controller.run(), 60)
+    assert "agent: raised KeyError: 'answer' ×16" in str(raised.value)
+    assert list((tmp_path / "checkpoints").glob("step-*"))
