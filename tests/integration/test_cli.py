@@ -134,7 +134,7 @@ def test_a_reward_that_always_raises_ends_the_run_naming_it(tmp_path, short_temp
 
 
 def test_over_long_prompts_are_dropped_and_a_second_run_on_the_directory_is_refused(tmp_path, short_temp):
-    steps = 16  # long enough (30 s or more) for the second command to start while this one runs
+    steps = 40  # long enough for the second command (5-10 s to start) to find this one still training
     """Real vLLM refuses a prompt longer than its context; the run drops those prompts with the
     reason and trains to max_steps. Meanwhile a `--resume` on its directory is refused at once."""
     data = tmp_path / "data.jsonl"
