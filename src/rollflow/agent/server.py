@@ -179,16 +179,11 @@ class AgentServer:
         return {"tools": tools or None, "max_tokens": limit, "seed": seed, "parse_tools": choice != "none"}
 
     def _logprobs(self, episode: AgentEpisode, reply: Reply) -> dict[str, Any]:
-        tokenizer = episode.chat.tokenizer
+        texts = [episode.chat.tokenizer.decode([t]) for t in reply.token_ids]  # each token decoded once
         return {
             "content": [
-                {
-                    "token": tokenizer.decode([t]),
-                    "logprob": lp,
-                    "bytes": list(tokenizer.decode([t]).encode()),
-                    "top_logprobs": [],
-                }
-                for t, lp in zip(reply.token_ids, reply.logprobs, strict=True)
+                {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+                for text, lp in zip(texts, reply.logprobs, strict=True)
             ]
         }
 
