@@ -1,14 +1,18 @@
-"""Weight update cost: each stage of the engine's critical section beside a memcpy of the same bytes.
+"""Weight update cost: each part of the engine's critical section beside a memcpy of the same bytes.
 
-For each model (the tiny one and SmolLM2-135M-Instruct) a live vLLM engine generates a few
-requests while the trainer side stages a full set of weights in the default `shm` transport and
-publishes it, `--rounds` times; the engine reports the seconds of each stage of its critical
-section (pause, load, label, reset prefix cache, resume). Beside it: a memcpy of the same bytes
-in this process. Then the tiny preset trains synchronously (`max_lag = 0`) and the share of its
-step wall time that is neither generating nor training is measured from its metrics.
+For each model (the tiny one and SmolLM2-135M-Instruct) and each `engine.linear_layout`
+(`packed`, vLLM's default on CPU, and `plain`), a live vLLM engine generates a few requests
+while the trainer side stages a full set of weights in the default `shm` transport and
+publishes it, `--rounds` times. The engine reports the seconds of its one engine-core call
+(`update`: waiting for the model step in progress, then the load, the version label and the
+prefix-cache reset) and of each part. Beside it: a memcpy of the same bytes in this process,
+and the engine's generation speed in that layout (16 greedy requests), since the layout trades
+one against the other. Then the tiny preset trains synchronously (`max_lag = 0`) and the share
+of its step wall time that is neither generating nor training is measured from its metrics.
 
-Prints a table of median milliseconds per stage and, last,
-`RESULT update_vs_memcpy_tiny=X update_vs_memcpy_smollm2=Y update_ms_tiny=T sync_overhead_frac=Z`.
+Prints a table of median milliseconds and, last, `RESULT update_vs_memcpy_tiny=X
+update_vs_memcpy_smollm2=Y update_vs_memcpy_smollm2_plain=P update_ms_tiny=T sync_overhead_frac=Z`
+(each model in the layout its preset uses: tiny plain, SmolLM2 packed; and SmolLM2 plain).
 
     bin/dev python bench/weight_update.py [--rounds 8] [--models tiny,smollm2-135m-instruct] [--steps 12]
 """
@@ -23,7 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-STAGES = ("pause", "load", "label", "reset prefix cache", "resume")
+PARTS = ("update", "load", "label", "reset prefix cache")
+LAYOUTS = ("packed", "plain")
+PRESET_LAYOUT = {"tiny": "plain"}
+"""The layout each model's preset uses (others: vLLM's default, packed)."""
 
 
 def memcpy_s(nbytes: int, rounds: int = 7) -> float:
@@ -38,8 +45,24 @@ def memcpy_s(nbytes: int, rounds: int = 7) -> float:
     return statistics.median(times)
 
 
-async def updates(model: str, rounds: int, requests: int) -> dict[str, float]:
-    """Median seconds of each critical-section stage, and the bytes of one set of weights."""
+async def tokens_per_s(engine, requests: int = 16, max_tokens: int = 64) -> float:
+    """Greedy generation speed: `requests` prompts at once, best of two rounds after a warm-up."""
+    from rollflow.records import SamplingSpec
+
+    spec = SamplingSpec(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rates = []
+    for round_ in range(3):
+        began = time.perf_counter()
+        outs = await asyncio.gather(
+            *(engine.generate([1, 100 + i, 202, 276], spec, f"speed{round_}-{i}") for i in range(requests))
+        )
+        rates.append(sum(len(out.token_ids) for out in outs) / (time.perf_counter() - began))
+    return max(rates[1:])
+
+
+async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[str, float]:
+    """Median seconds of the update call and its parts, the bytes of one set of weights, and
+    the engine's tokens/s in this layout."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -54,9 +77,10 @@ async def updates(model: str, rounds: int, requests: int) -> dict[str, float]:
     path = resolve_model(model)
     weights = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     plan = plan_buckets([(name, t.dtype, tuple(t.shape)) for name, t in weights.items()])
-    engine = VLLMEngine(path, EngineConfig(max_num_seqs=16))
+    engine = VLLMEngine(path, EngineConfig(max_num_seqs=16, linear_layout=layout))  # type: ignore[arg-type]
     transport = ShmTransport()
     await engine.start()
+    speed = await tokens_per_s(engine)
     spec = SamplingSpec(temperature=1.0, max_tokens=256, ignore_eos=True)
 
     async def generating(i: int) -> None:
@@ -65,7 +89,7 @@ async def updates(model: str, rounds: int, requests: int) -> dict[str, float]:
             await rollout(engine, prompt, spec, group_id=f"g{i}-{k}", index=0)
 
     busy = [asyncio.create_task(generating(i)) for i in range(requests)]
-    stages: dict[str, list[float]] = {name: [] for name in (*STAGES, "total")}
+    parts: dict[str, list[float]] = {name: [] for name in (*PARTS, "total")}
     try:
         await asyncio.sleep(1.0)  # the requests are generating
         for _ in range(rounds + 1):
@@ -73,9 +97,9 @@ async def updates(model: str, rounds: int, requests: int) -> dict[str, float]:
             began = time.perf_counter()
             await publish(engine, transport, plan)
             total = time.perf_counter() - began
-            for name in STAGES:
-                stages[name].append(engine.last_update_s.get(name, 0.0))
-            stages["total"].append(total)
+            for name in PARTS:
+                parts[name].append(engine.last_update_s.get(name, 0.0))
+            parts["total"].append(total)
             await asyncio.sleep(0.2)
     finally:
         for task in busy:
@@ -84,8 +108,9 @@ async def updates(model: str, rounds: int, requests: int) -> dict[str, float]:
             await asyncio.gather(*busy, return_exceptions=True)
         await transport.aclose()
         await engine.aclose()
-    out = {name: statistics.median(values[1:]) for name, values in stages.items()}  # the first warms up
+    out = {name: statistics.median(values[1:]) for name, values in parts.items()}  # the first warms up
     out["bytes"] = float(plan.total_bytes)
+    out["tokens/s"] = speed
     return out
 
 
@@ -109,27 +134,43 @@ async def sync_overhead(steps: int) -> float:
     wall = last["wall_s"] - first["wall_s"]
     busy = last["engine_busy_s"] - first["engine_busy_s"]
     trained = sum(m["train_step_s"] for m in result.metrics[1:])
-    print(f"synchronous tiny preset, {steps - 1} steady steps: wall {wall:.2f} s, generating {busy:.2f} s, "
-          f"training {trained:.2f} s")
+    print(
+        f"synchronous tiny preset, {steps - 1} steady steps: wall {wall:.2f} s, generating {busy:.2f} s, "
+        f"training {trained:.2f} s"
+    )
     return (wall - busy - trained) / wall
 
 
 async def main(args: argparse.Namespace) -> None:
     rows = {}
     for model in args.models.split(","):
-        rows[model] = await updates(model, args.rounds, args.requests)
-        rows[model]["memcpy"] = memcpy_s(int(rows[model]["bytes"]))
+        for layout in LAYOUTS:
+            row = await updates(model, layout, args.rounds, args.requests)
+            row["memcpy"] = memcpy_s(int(row["bytes"]))
+            rows[(model, layout)] = row
     frac = await sync_overhead(args.steps)
-    print(f"median ms over {args.rounds} updates, {args.requests} requests generating")
-    print(f"{'model':<24}{'MB':>8}" + "".join(f"{name:>20}" for name in (*STAGES, "total", "memcpy")) + f"{'ratio':>8}")
-    for model, r in rows.items():
-        print(f"{model:<24}{r['bytes'] / 2**20:>8.1f}"
-              + "".join(f"{r[name] * 1e3:>20.2f}" for name in (*STAGES, "total", "memcpy"))
-              + f"{r['total'] / r['memcpy']:>8.1f}")
-    ratio = {model: r["total"] / r["memcpy"] for model, r in rows.items()}
-    parts = [f"update_vs_memcpy_{model.split('-')[0]}={value:.1f}" for model, value in ratio.items()]
-    if "tiny" in rows:
-        parts.append(f"update_ms_tiny={rows['tiny']['total'] * 1e3:.1f}")
+    print(f"median ms over {args.rounds} updates, {args.requests} requests generating; update = the one engine call")
+    columns = (*PARTS, "total", "memcpy")
+    print(
+        f"{'model':<24}{'layout':>8}{'MB':>8}"
+        + "".join(f"{name:>20}" for name in columns)
+        + f"{'ratio':>8}{'tokens/s':>10}"
+    )
+    for (model, layout), r in rows.items():
+        print(
+            f"{model:<24}{layout:>8}{r['bytes'] / 2**20:>8.1f}"
+            + "".join(f"{r[name] * 1e3:>20.2f}" for name in columns)
+            + f"{r['total'] / r['memcpy']:>8.1f}{r['tokens/s']:>10.0f}"
+        )
+    parts = []
+    for (model, layout), r in rows.items():
+        short = model.split("-")[0]
+        if layout == PRESET_LAYOUT.get(model, "packed"):
+            parts.append(f"update_vs_memcpy_{short}={r['total'] / r['memcpy']:.1f}")
+        elif model != "tiny":
+            parts.append(f"update_vs_memcpy_{short}_{layout}={r['total'] / r['memcpy']:.1f}")
+    if ("tiny", "plain") in rows:
+        parts.append(f"update_ms_tiny={rows[('tiny', 'plain')]['total'] * 1e3:.1f}")
     print("RESULT " + " ".join(parts) + f" sync_overhead_frac={frac:.3f}")
 
 

@@ -72,6 +72,14 @@ class EngineConfig(_Section, frozen=True):
     threads: PosInt = 1
     """Torch/OpenMP threads for the engine process."""
 
+    linear_layout: Literal["packed", "plain"] = "packed"
+    """How vLLM's CPU backend holds the weights of linear layers (GPU engines ignore it).
+    `packed`: oneDNN's packed copy only, vLLM's default, the faster matrix products on models
+    the size of SmolLM2-135M (about 2x the tokens/s measured), but every weight update packs
+    each layer again (about 0.7 s for 135M parameters). `plain`: torch's own tensors, loaded in
+    place at memory speed (about 0.2 s for 135M), slower products on such models, faster on
+    very small ones (the tiny preset uses it). See docs/benchmarks.md."""
+
     start_timeout_s: NonNegFloat = 300.0
     """Seconds to wait for the engine to start before giving up with an error."""
 
@@ -553,6 +561,7 @@ class Config(_Section, frozen=True):
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "model": {"path": "tiny"},
+        "engine": {"linear_layout": "plain"},
         "sampling": {"max_tokens": 16},
         "rollout": {"group_size": 4},
         "trainer": {"lr": 3e-3},
@@ -594,7 +603,23 @@ def _explain(err: msgspec.ValidationError, source: str) -> ConfigError:
         path = f"{path}.{key}" if path else key
         return ConfigError(f"{source}: unknown key `{path}`")
     where = f"`{path}`: " if path else ""
+    if message.startswith("Invalid enum value") and path:
+        choices = _choices(path)
+        if choices:
+            message += f"; expected one of {', '.join(repr(c) for c in choices)}"
     return ConfigError(f"{source}: {where}{message}")
+
+
+def _choices(path: str) -> tuple[Any, ...]:
+    """The values a `Literal` setting at `a.b` allows (empty if it is not one)."""
+    import typing
+
+    node: Any = Config
+    for key in path.split("."):
+        if not (isinstance(node, type) and issubclass(node, msgspec.Struct)):
+            return ()
+        node = typing.get_type_hints(node).get(key)
+    return typing.get_args(node) if typing.get_origin(node) is typing.Literal else ()
 
 
 def _parse_value(text: str) -> Any:

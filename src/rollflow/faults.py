@@ -9,6 +9,8 @@ the code are:
 
 - `step-trained`: the optimizer step is done, its prompts not yet in the ledger;
 - `weight-sync`: the engine is loading new weights;
+- `weights-loaded`: inside the engine process, a one-call weight update has loaded the new
+  weights and not yet labelled them (`rollflow.engine.worker.rollflow_update`);
 - `checkpoint-write`: the checkpoint's tensors are written, its run state not yet;
 - `checkpoint-saved`: a checkpoint has just been completed;
 - `leader-step`: with several trainer ranks, rank 0 has announced a step, the others are in it.

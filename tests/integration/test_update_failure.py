@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from rollflow.config import EngineConfig
+from rollflow.engine import WorkerCall
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.errors import EngineDeadError, EngineError, WeightSyncError
 from rollflow.models import tiny_model_path
@@ -53,9 +54,16 @@ async def test_a_failure_before_the_model_is_touched_keeps_the_old_weights_and_l
         out = await engine.generate(PROMPT, GREEDY, "kept")
         assert out.token_ids == want_a and out.versions == [0] * 12 and engine.version == 0
 
+        # The one engine-core call refuses a worker method that is not a load before doing anything.
+        assert engine.one_call_updates
+        with pytest.raises(WeightSyncError, match=r"stage 'update'.*not a weight load.*keeps version 0"):
+            await engine.update_weights_with(WorkerCall("rollflow_watch_parent", (60.0,)))
+        out = await engine.generate(PROMPT, GREEDY, "kept again")
+        assert out.token_ids == want_a and out.versions == [0] * 12 and engine.version == 0
+
         # A wrong shape part-way through a load: layers may be half-loaded, so the engine is
         # taken out of service instead of serving under version 0.
-        with pytest.raises(EngineDeadError, match=r"taken out of service: .*stage 'load'"):
+        with pytest.raises(EngineDeadError, match=r"taken out of service: .*stage 'update'.*load: "):
             await engine.update_weights(with_bad_tensor_in_the_middle(model_b.state_dict()))
         assert engine.version == 0
         await assert_serves_nothing(engine)
@@ -64,7 +72,23 @@ async def test_a_failure_before_the_model_is_touched_keeps_the_old_weights_and_l
 
 
 async def test_a_failure_after_new_weights_went_in_takes_the_engine_out(model_b, monkeypatch):
+    """In one engine-core call: the label fails after the load (an injected fault inside the
+    engine process), so the weights are B's while the label still says 0."""
+    monkeypatch.setenv("ROLLFLOW_FAULT", "weights-loaded:1:raise")
     engine = await fresh_engine()
+    monkeypatch.delenv("ROLLFLOW_FAULT")
+    try:
+        with pytest.raises(EngineDeadError, match=r"stage 'update'.*label, after the new weights were loaded"):
+            await engine.update_weights(model_b.state_dict())
+        assert engine.version == 0
+        await assert_serves_nothing(engine)
+    finally:
+        await engine.aclose()
+
+
+async def test_a_failure_after_new_weights_went_in_takes_the_engine_out_in_stages(model_b, monkeypatch):
+    engine = await fresh_engine()
+    engine.one_call_updates = False  # as an engine whose worker is not in the engine core's process
     try:
         # vLLM answers False when it cannot reset the prefix cache: the update failed after the
         # load, so the weights are B's while the label would still say 0.

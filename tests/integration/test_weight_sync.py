@@ -44,8 +44,12 @@ async def test_transport_switches_weights_a_b_a(engine_on_a, model_a, model_b, n
             assert len(plan.bucket_sizes) > 3
             assert await sync_weights(engine, transport, plan, state.items()) == before + 1
             assert await greedy(engine) == want
-            # Every stage of the critical section is timed (bench/weight_update.py reads them).
-            assert list(engine.last_update_s) == ["pause", "load", "label", "reset prefix cache", "resume"]
+            # Every stage of the critical section is timed (bench/weight_update.py reads them): a
+            # load that is one worker call runs in one engine-core call with the label and reset.
+            if name == "gloo":  # the worker receives while this process sends: in stages
+                assert list(engine.last_update_s) == ["pause", "load", "label", "reset prefix cache", "resume"]
+            else:
+                assert list(engine.last_update_s) == ["update", "load", "label", "reset prefix cache"]
             assert all(0 <= s < 60 for s in engine.last_update_s.values())
     finally:
         await transport.aclose()
@@ -68,6 +72,47 @@ async def test_sync_during_a_live_stream_switches_versions_at_the_boundary(engin
         state = model_b.state_dict()
         await sync_weights(engine, transport, plan_for(state), state.items())
         sample = await task
+    finally:
+        await transport.aclose()
+    k = sample.versions.index(v + 1)
+    assert 0 < k < 64 and sample.versions == [v] * k + [v + 1] * (64 - k)
+    assert sample.completion_token_ids[:k] == model_a.greedy(PROMPT, k)[0]
+    assert sample.completion_token_ids[k:] == model_b.greedy(PROMPT + sample.completion_token_ids[:k], 64 - k)[0]
+
+
+@pytest.mark.parametrize("partial", ["keep", "resume"])
+async def test_plain_layout_loads_in_place_and_switches_versions_at_the_boundary(
+    engine, plain_engine, model_a, model_b, partial
+):
+    """`engine.linear_layout = "plain"`: the worker copies into the model's own tensors (the
+    packed engine reloads layer by layer), in one engine-core call with no pause; a request
+    generating across the update is exactly A's tokens, then B's from that prefix."""
+    from rollflow.records import Prompt
+    from rollflow.rollout import rollout
+
+    assert await plain_engine.rpc("rollflow_loads_in_place") == [True]
+    assert await engine.rpc("rollflow_loads_in_place") == [False]
+    transport = make_transport("shm")
+    spec = SamplingSpec(temperature=0.0, max_tokens=64, ignore_eos=True)
+    v = plain_engine.version
+    try:
+        prompt = Prompt(id="live", token_ids=PROMPT)
+        task = asyncio.create_task(rollout(plain_engine, prompt, spec, group_id=f"live-{partial}", index=0))
+        while plain_engine.num_live == 0:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        state = model_b.state_dict()
+        await sync_weights(plain_engine, transport, plan_for(state), state.items(), partial=partial)
+        assert list(plain_engine.last_update_s) == ["update"] + ["abort"] * (partial != "keep") + [
+            "load",
+            "label",
+            "reset prefix cache",
+        ]
+        sample = await task
+        assert await greedy(plain_engine) == model_b.greedy(PROMPT, 20)[0]
+        state = model_a.state_dict()
+        await sync_weights(plain_engine, transport, plan_for(state), state.items())
+        assert await greedy(plain_engine) == model_a.greedy(PROMPT, 20)[0]
     finally:
         await transport.aclose()
     k = sample.versions.index(v + 1)

@@ -237,3 +237,22 @@ def test_the_memory_a_run_may_use_is_the_containers_limit_where_that_is_lower(tm
     assert machine_memory(limits=(str(v2),)) == physical
     assert machine_memory(limits=(str(v2), str(v1))) == min(physical, 2 * 1024**3)
     assert machine_memory(limits=(str(tmp_path / "absent"),)) == physical
+
+
+def test_the_linear_layout_reaches_every_engine_process_and_is_checked(monkeypatch):
+    from rollflow.engine.environment import LINEAR_LAYOUT, engine_environment, prepare_environment, serve_environment
+
+    assert load_config().engine.linear_layout == "packed"  # vLLM's own default on CPU
+    tiny = load_config(preset="tiny").engine
+    assert tiny.linear_layout == "plain"
+    assert engine_environment(tiny)[LINEAR_LAYOUT] == "plain"
+    # An earlier engine's setting left in this process's environment never wins over this one's.
+    monkeypatch.setenv(LINEAR_LAYOUT, "packed")
+    assert serve_environment(tiny)[LINEAR_LAYOUT] == "plain"
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/tmp")  # no socket folder for this test
+    prepare_environment(tiny)
+    import os
+
+    assert os.environ[LINEAR_LAYOUT] == "plain"
+    with pytest.raises(ConfigError, match=r"engine.linear_layout.*'packed', 'plain'"):
+        load_config(overrides=["engine.linear_layout=blocked"])

@@ -48,6 +48,27 @@ Weights = Mapping[str, object] | Iterable[tuple[str, object]]
 """Named tensors in the model's checkpoint naming (what `model.state_dict()` yields)."""
 
 
+class WorkerCall(msgspec.Struct, frozen=True):
+    """A weight load that is one call of a worker's load method (`rollflow.engine.worker.LOADS`)
+    on every worker addressed. An engine that can runs it in the same engine-side call as the
+    version label and the prefix-cache reset (`rollflow.engine.vllm`); any other engine makes
+    it with `rpc` inside its critical section."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+
+
+Load = Callable[[], Awaitable[object]] | WorkerCall
+"""What a weight update runs to move the staged weights into the workers."""
+
+
+def load_callable(engine: ManagedEngine, load: Load) -> Callable[[], Awaitable[object]]:
+    """`load` as a function to await: a `WorkerCall` becomes `engine.rpc(method, *args)`."""
+    if isinstance(load, WorkerCall):
+        return lambda: engine.rpc(load.method, *load.args)
+    return load
+
+
 class Engine(Protocol):
     """What rollout and weight sync need from an inference engine."""
 
@@ -104,13 +125,13 @@ class ManagedEngine(Engine, Protocol):
 
     async def update_weights_with(
         self,
-        load: Callable[[], Awaitable[object]],
+        load: Load,
         *,
         partial: PartialMode = "keep",
         deadline_s: float | None = None,
         version: int | None = None,
     ) -> int:
-        """The critical section around `load()` (a transport moving staged weights into the
+        """The critical section around `load` (a transport moving staged weights into the
         workers): pause -> load -> label -> reset the prefix cache -> resume; returns the new
         version (`version`: label the weights with it instead of the next one)."""
         ...
@@ -173,10 +194,13 @@ async def critical_section(
     intact: Callable[[], Awaitable[bool]] | None = None,
     lose: Callable[[str], Awaitable[EngineDeadError]] | None = None,
     timings: dict[str, float] | None = None,
+    load_stage: str = "load",
 ) -> None:
     """Run a weight update's stages under one deadline; on success resume the engine.
 
     `timings`, when given, receives each finished stage's seconds by name, and `resume`'s.
+    `load_stage` names the stage from which the engine's weights may change (an engine that
+    loads, labels and resets in one call names that call).
 
     The engine adapters own the stages (pause -> load -> label -> reset the prefix cache) and bump
     their version only when this returns. A failure leaves the engine in one of two states only:
@@ -194,7 +218,7 @@ async def critical_section(
     with the same deadline, and an engine that cannot resume is dead.
     """
     names = [name for name, _ in stages]
-    load_at = names.index("load") if "load" in names else len(names)
+    load_at = names.index(load_stage) if load_stage in names else len(names)
     at = 0
     error: WeightSyncError | None = None
     try:
@@ -248,10 +272,13 @@ __all__ = [
     "Engine",
     "EngineOutput",
     "FinishReason",
+    "Load",
     "ManagedEngine",
     "PartialMode",
     "Stage",
     "Weights",
+    "WorkerCall",
     "critical_section",
+    "load_callable",
     "spans_to_versions",
 ]

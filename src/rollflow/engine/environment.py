@@ -37,7 +37,11 @@ def engine_environment(config: EngineConfig) -> dict[str, str]:
     env = {"VLLM_LOGGING_LEVEL": "WARNING"} | quiet_environment()
     if not torch.cuda.is_available():
         env |= {"VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": str(config.threads)}
-    return env
+    return env | {LINEAR_LAYOUT: config.linear_layout}
+
+
+LINEAR_LAYOUT = "ROLLFLOW_LINEAR_LAYOUT"
+"""Carries `engine.linear_layout` to the engine's processes (`rollflow.engine.worker` reads it)."""
 
 
 def prepare_environment(config: EngineConfig) -> None:
@@ -49,6 +53,7 @@ def prepare_environment(config: EngineConfig) -> None:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     for key, value in env.items():
         os.environ.setdefault(key, value)
+    os.environ[LINEAR_LAYOUT] = env[LINEAR_LAYOUT]  # this engine's setting, not an earlier one's
     if "VLLM_RPC_BASE_PATH" not in os.environ:
         os.environ["VLLM_RPC_BASE_PATH"] = socket_folder()
 
@@ -197,4 +202,5 @@ def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, po
 def serve_environment(config: EngineConfig) -> dict[str, str]:
     """Environment of the server process: `engine_environment` under the user's own settings,
     with the RL and developer endpoints on (/pause, /resume, weight labels, /collective_rpc)."""
-    return engine_environment(config) | dict(os.environ) | {"VLLM_SERVER_DEV_MODE": "1"}
+    own = engine_environment(config)
+    return own | dict(os.environ) | {"VLLM_SERVER_DEV_MODE": "1", LINEAR_LAYOUT: own[LINEAR_LAYOUT]}

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
-from rollflow.engine import EngineOutput, ManagedEngine, PartialMode, Weights
+from rollflow.engine import EngineOutput, Load, ManagedEngine, PartialMode, Weights, WorkerCall, load_callable
 from rollflow.errors import EngineDeadError, WeightSyncError
 from rollflow.records import SamplingSpec
 
@@ -172,27 +172,31 @@ class EnginePool:
 
     async def update_weights_with(
         self,
-        load: Callable[[], Awaitable[object]],
+        load: Load,
         *,
         partial: PartialMode = "keep",
         deadline_s: float | None = None,
         version: int | None = None,
     ) -> int:
-        """Every engine's critical section at once, each running `load()` for itself (inside it,
-        `rpc` and `targets` mean that engine only); every engine gets the same new version."""
+        """Every engine's critical section at once, each running `load` for itself (inside it,
+        `rpc` and `targets` mean that engine only; a `WorkerCall` goes to each engine as it is);
+        every engine gets the same new version."""
         async with self._lock:
             new_version = self._version + 1 if version is None else version
 
             async def load_into(member: Any) -> object:
                 token = _current.set(member)
                 try:
-                    return await load()
+                    return await load_callable(member, load)()
                 finally:
                     _current.reset(token)
 
             await self._each(
                 lambda m: m.update_weights_with(
-                    lambda: load_into(m), partial=partial, deadline_s=deadline_s, version=new_version
+                    load if isinstance(load, WorkerCall) else (lambda: load_into(m)),
+                    partial=partial,
+                    deadline_s=deadline_s,
+                    version=new_version,
                 )
             )
             self._version = new_version

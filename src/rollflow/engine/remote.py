@@ -31,17 +31,19 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
 from rollflow.config import EngineConfig
 from rollflow.engine import (
     EngineOutput,
+    Load,
     ManagedEngine,
     PartialMode,
     Weights,
     critical_section,
+    load_callable,
     spans_to_versions,
 )
 from rollflow.errors import EngineDeadError, EngineError, WeightSyncError
@@ -288,7 +290,7 @@ class RemoteEngine:
 
     async def update_weights_with(
         self,
-        load: Callable[[], Awaitable[object]],
+        load: Load,
         *,
         partial: PartialMode = "keep",
         deadline_s: float | None = None,
@@ -305,7 +307,7 @@ class RemoteEngine:
                 self._version,
                 [
                     ("pause", lambda: self.pause(keep=keep)),
-                    ("load", load),
+                    ("load", load_callable(self, load)),
                     ("label", lambda: self._post("/update_weight_version", {"new_version": str(new_version)})),
                     (
                         "reset prefix cache",

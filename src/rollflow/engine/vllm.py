@@ -12,7 +12,10 @@ the worker side), so a vLLM upgrade (CPU 0.32, GPU 0.33) changes one package. Wh
 - `update_weights`, the critical section: pause -> load -> set the version label -> reset the
   prefix cache -> resume (in `finally`). In `keep` mode running requests stay in the engine;
   unless `keep_kv_on_update`, their KV is recomputed under the new weights, so every token after
-  the update is exactly what the new weights produce from the prefix;
+  the update is exactly what the new weights produce from the prefix. A load that is one worker
+  call (`WorkerCall`: the shm and checkpoint transports, `update_weights`) runs as a single
+  engine-core call that loads, labels and resets between two model steps (`rollflow_update` in
+  `engine.worker`): no pause and no resume, one round trip instead of five;
 - vLLM's dead-engine error becomes rollflow's `EngineDeadError`.
 
 It does not choose what to generate or when to update; rollout and the controller do.
@@ -32,11 +35,14 @@ from typing import Any
 from rollflow.config import EngineConfig
 from rollflow.engine import (
     EngineOutput,
+    Load,
     ManagedEngine,
     PartialMode,
     Stage,
     Weights,
+    WorkerCall,
     critical_section,
+    load_callable,
     spans_to_versions,
 )
 from rollflow.engine.adapters import Adapters, AdapterSync
@@ -80,9 +86,13 @@ class VLLMEngine(AdapterSync):
         self.salt_prefix_cache = True
         """Salt prefix-cache keys with the version (tests turn this off to show the stale-KV bug)."""
         self.reset_prefix_cache_on_update = True
-        self.last_update_s: dict[str, float] = {}
-        """Seconds of each stage of the last successful weight update (pause, load, ..., resume)."""
         """Reset the prefix cache in every update (tests turn this off to show the stale-KV bug)."""
+        self.last_update_s: dict[str, float] = {}
+        """Seconds of each stage of the last successful weight update: `update` (the one
+        engine-core call, waiting for the step in progress included) and its parts `load`,
+        `label`, `reset prefix cache`; or, in stages, `pause`, `load`, ..., `resume`."""
+        self.one_call_updates = False
+        """Whether a `WorkerCall` load runs as one engine-core call (found out at start)."""
 
     @property
     def version(self) -> int:
@@ -120,6 +130,13 @@ class VLLMEngine(AdapterSync):
         # The engine process ends by itself if this process is killed without closing it.
         parents = await self._llm.collective_rpc("rollflow_watch_parent")
         log.info("engine processes watch their parents %s (this process is %d)", parents, os.getpid())
+        try:
+            refused = await self._llm.engine_core.call_utility_async("rollflow_update_refused")
+        except Exception as err:  # the worker is not in the engine core's process
+            refused = f"the engine core has no rollflow_update ({err})"
+        self.one_call_updates = not refused
+        if refused:
+            log.info("weight updates run in stages: %s", refused)
         log.info("vLLM engine ready in %.1f s", time.monotonic() - began)
         return self
 
@@ -261,13 +278,7 @@ class VLLMEngine(AdapterSync):
 
     async def load_weights(self, weights: Weights) -> None:
         """Load named tensors into the (paused) engine. Prefer `update_weights`."""
-        from safetensors.torch import save
-
-        items = weights.items() if hasattr(weights, "items") else weights
-        tensors = {name: tensor.detach().contiguous() for name, tensor in items}  # type: ignore[union-attr]
-        # Serialising a whole model takes a while: off the loop, which keeps streaming.
-        payload = await asyncio.to_thread(save, tensors)
-        await self.llm.collective_rpc("rollflow_load_safetensors", args=(payload,))
+        await load_callable(self, await _serialised(weights))()
 
     async def rpc(self, method: str, *args: Any) -> list[Any]:
         """Call a `WorkerExtension` method on every worker; returns their results."""
@@ -276,7 +287,8 @@ class VLLMEngine(AdapterSync):
     async def update_weights(
         self, weights: Weights, *, partial: PartialMode = "keep", version: int | None = None
     ) -> int:
-        return await self.update_weights_with(lambda: self.load_weights(weights), partial=partial, version=version)
+        # Serialised before the critical section: the engine keeps generating meanwhile.
+        return await self.update_weights_with(await _serialised(weights), partial=partial, version=version)
 
     async def check_health(self) -> None:
         """Raise `EngineDeadError` if the engine process is gone."""
@@ -289,20 +301,23 @@ class VLLMEngine(AdapterSync):
 
     async def update_weights_with(
         self,
-        load: Callable[[], Awaitable[object]],
+        load: Load,
         *,
         partial: PartialMode = "keep",
         deadline_s: float | None = None,
         version: int | None = None,
     ) -> int:
-        """The weight-update critical section around `load()`; returns the new version.
+        """The weight-update critical section around `load`; returns the new version.
 
         lock -> pause (keep or abort in-flight requests) -> load -> label the new version ->
         reset the prefix cache -> resume -> bump the version (only on success), under one
-        deadline. A failure either provably leaves the previous weights (`WeightSyncError`, the
-        engine resumed on its version) or takes the engine out of service (`EngineDeadError`); see
-        `rollflow.engine.critical_section`. `version` labels the new weights with a given
-        version instead of the next one (a resumed run restores its checkpoint's).
+        deadline. A `WorkerCall` load on an engine that allows it (`one_call_updates`) runs all
+        of it as one engine-core call instead, with no pause: the engine core runs no model step
+        while it takes a call. A failure either provably leaves the previous weights
+        (`WeightSyncError`, the engine serving its version) or takes the engine out of service
+        (`EngineDeadError`); see `rollflow.engine.critical_section`. `version` labels the new
+        weights with a given version instead of the next one (a resumed run restores its
+        checkpoint's).
         """
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
@@ -318,18 +333,32 @@ class VLLMEngine(AdapterSync):
         async with self._update_lock:
             new_version = self._version + 1 if version is None else version
             timings: dict[str, float] = {}
-            stages: list[Stage] = [
-                ("pause", guarded(lambda: self.pause(keep=keep))),
-                ("load", guarded(load)),
-                ("label", guarded(lambda: llm.update_weight_version(str(new_version)))),
-            ]
-            if self.reset_prefix_cache_on_update:
+            parts: dict[str, float] = {}
+            one_call = isinstance(load, WorkerCall) and self.one_call_updates
+            if isinstance(load, WorkerCall) and one_call:
+                call = load
 
-                async def reset() -> None:
-                    if not await self._unless_dead(llm.reset_prefix_cache(reset_running_requests=recompute)):
-                        raise WeightSyncError("vLLM could not reset the prefix cache (it returned False)")
+                async def update() -> None:
+                    args = (call.method, list(call.args), str(new_version), not keep)
+                    answer = llm.engine_core.call_utility_async(
+                        "rollflow_update", *args, self.reset_prefix_cache_on_update, recompute
+                    )
+                    parts.update(await self._unless_dead(answer))
 
-                stages.append(("reset prefix cache", reset))
+                stages: list[Stage] = [("update", update)]
+            else:
+                stages = [
+                    ("pause", guarded(lambda: self.pause(keep=keep))),
+                    ("load", guarded(load_callable(self, load))),
+                    ("label", guarded(lambda: llm.update_weight_version(str(new_version)))),
+                ]
+                if self.reset_prefix_cache_on_update:
+
+                    async def reset() -> None:
+                        if not await self._unless_dead(llm.reset_prefix_cache(reset_running_requests=recompute)):
+                            raise WeightSyncError("vLLM could not reset the prefix cache (it returned False)")
+
+                    stages.append(("reset prefix cache", reset))
 
             async def intact() -> bool:
                 return all(await self._unless_dead(llm.collective_rpc("rollflow_weights_intact")))
@@ -339,15 +368,18 @@ class VLLMEngine(AdapterSync):
                 self._version,
                 stages,
                 deadline_s=deadline_s if deadline_s is not None else self.config.update_deadline_s,
-                resume=self.resume,
+                resume=_never_paused if one_call else self.resume,
                 can_resume=lambda: self._llm is not None and not llm.errored,
                 dead=lambda err: self._dead(err) if isinstance(err, VLLMDead) else None,
                 intact=intact,
                 lose=self._take_out_of_service,
                 timings=timings,
+                load_stage="update" if one_call else "load",
             )
+            if one_call:
+                timings.pop("resume", None)
             self._version = new_version
-            self.last_update_s = timings
+            self.last_update_s = timings | parts
         return self._version
 
     async def _unless_dead(self, call: Awaitable[Any], poll_s: float = 0.5) -> Any:
@@ -407,6 +439,20 @@ class VLLMEngine(AdapterSync):
         await asyncio.to_thread(llm.shutdown, SHUTDOWN_GRACE_S)
         _shut_down_once(llm)
         self.adapters.close()
+
+
+async def _serialised(weights: Weights) -> WorkerCall:
+    """Named tensors as one safetensors payload and the worker call that loads it (off the loop:
+    serialising a whole model takes a while)."""
+    from safetensors.torch import save
+
+    items = weights.items() if hasattr(weights, "items") else weights
+    tensors = {name: tensor.detach().contiguous() for name, tensor in items}  # type: ignore[union-attr]
+    return WorkerCall("rollflow_load_safetensors", (await asyncio.to_thread(save, tensors),))
+
+
+async def _never_paused() -> None:
+    """The resume of a one-call update: nothing was paused."""
 
 
 async def _shut_down_when_built(building: asyncio.Future[Any]) -> None:

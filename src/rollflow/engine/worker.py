@@ -1,9 +1,16 @@
 """Code that runs inside vLLM's worker process (named in `worker_extension_cls`).
 
 vLLM mixes `WorkerExtension` into its worker class, so these methods run next to the model
-and are reached from the engine adapter through `collective_rpc`. Weights are loaded through
-vLLM's layerwise reload (`reload_weights(weights_iterator=...)`), because a plain
-`model.load_weights` after startup fails on the CPU backend (it repacks linear weights).
+and are reached from the engine adapter through `collective_rpc`. How weights are loaded
+depends on how the CPU backend holds its linear layers (`engine.linear_layout`, passed as
+`ROLLFLOW_LINEAR_LAYOUT`):
+
+- `packed` (vLLM's default): each linear layer keeps only oneDNN's packed copy of its weight, so
+  a load goes through vLLM's layerwise reload (`reload_weights(weights_iterator=...)`), which
+  rebuilds each layer and packs it again; a plain `model.load_weights` would fail;
+- `plain`: linear layers keep torch's own weight tensors (vLLM's unpacked fallback), so a load is
+  `model.load_weights`, which copies each tensor into the parameter in place.
+
 Every source hands the loader views, one bucket at a time, in checkpoint naming:
 
 - safetensors bytes (collective_rpc carries bytes natively; raw tensors would arrive as lists);
@@ -16,7 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import time
 from typing import Any
+
+LINEAR_LAYOUT = os.environ.get("ROLLFLOW_LINEAR_LAYOUT", "packed")
+"""`engine.linear_layout` of the engine this process serves (set before vLLM starts it)."""
 
 
 class WorkerExtension:
@@ -30,9 +42,26 @@ class WorkerExtension:
     """A reload began changing the model and did not finish: its layers may be half-loaded."""
 
     def _rollflow_reload(self, weights) -> None:
-        self._rollflow_touched = True  # layerwise reload moves layers aside before filling them
-        self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+        self._rollflow_touched = True  # either path changes the model tensor by tensor
+        if self.rollflow_loads_in_place():
+            self.model_runner.model.load_weights(weights)  # type: ignore[attr-defined]
+        else:
+            self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
         self._rollflow_touched = False
+
+    def rollflow_loads_in_place(self) -> bool:
+        """Whether a load copies into the model's own tensors: the CPU backend with plain linear
+        layers and no LoRA layers wrapped around them. Otherwise vLLM's layerwise reload."""
+        from vllm.platforms import current_platform
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        return LINEAR_LAYOUT == "plain" and current_platform.is_cpu() and not getattr(runner, "lora_config", None)
+
+    def rollflow_distrust(self) -> bool:
+        """The loaded weights no longer match the engine's version label (a label or prefix-cache
+        reset failed after the load): `rollflow_weights_intact` says so from now on."""
+        self._rollflow_touched = True
+        return True
 
     def rollflow_weights_intact(self) -> bool:
         """True unless a reload began and failed part-way (then the model is neither the old
@@ -149,3 +178,85 @@ class WorkerExtension:
         self._rollflow_group = None
         self._rollflow_buffers = None
         return True
+
+
+LOADS = frozenset({"rollflow_load_safetensors", "rollflow_load_path", "rollflow_shm_load", "rollflow_gloo_receive"})
+"""The `WorkerExtension` methods that load weights, the ones `rollflow_update` may run."""
+
+
+def rollflow_update(
+    self: Any, method: str, args: list[Any], version: str, abort: bool, reset: bool, recompute: bool
+) -> dict[str, float]:
+    """A whole weight update in one engine-core call, added to vLLM's `EngineCore`: abort the
+    running requests (`abort`), run the worker's load `method`, label the outputs of every later
+    step `version`, reset the prefix cache (`reset`; `recompute`: running requests too, so their
+    KV is computed again under the new weights). Returns each part's seconds.
+
+    The engine core takes calls between two model steps and runs no step until this returns, so
+    no step sees the new weights under the old label or the old ones under the new label, and
+    requests kept in flight need no pause. If the load fails, nothing after it runs (the worker
+    says whether it began changing the model); if the label or the reset fails after the load,
+    the worker is told its weights no longer match the label."""
+    from rollflow import faults
+
+    if method not in LOADS:
+        raise ValueError(f"rollflow_update: {method!r} is not a weight load (one of {sorted(LOADS)})")
+    refused = rollflow_update_refused(self)
+    if refused:
+        raise RuntimeError(f"rollflow_update: {refused}")
+    timings: dict[str, float] = {}
+    began = time.perf_counter()
+    if abort:
+        from vllm.v1.request import RequestStatus
+
+        self._send_abort_outputs(self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED))
+        timings["abort"] = time.perf_counter() - began
+        began = time.perf_counter()
+    try:
+        self.collective_rpc(method, args=tuple(args))
+    except Exception as err:
+        raise RuntimeError(f"load: {err}") from err
+    timings["load"] = time.perf_counter() - began
+    part = "label"
+    try:
+        faults.point("weights-loaded")
+        began = time.perf_counter()
+        self.set_weight_version(version)
+        timings["label"] = time.perf_counter() - began
+        if reset:
+            part = "reset prefix cache"
+            began = time.perf_counter()
+            if not self.reset_prefix_cache(reset_running_requests=recompute):
+                raise RuntimeError("vLLM could not reset the prefix cache (it returned False)")
+            timings["reset prefix cache"] = time.perf_counter() - began
+    except Exception as err:
+        self.collective_rpc("rollflow_distrust")
+        raise RuntimeError(f"{part}, after the new weights were loaded: {err}") from err
+    return timings
+
+
+def rollflow_update_refused(self: Any) -> str:
+    """Why this engine core cannot run `rollflow_update` ("" when it can): one that steps
+    asynchronously may have a step in flight while it takes a call."""
+    if getattr(self, "batch_queue", None) is not None:
+        return "the engine core keeps a batch queue (a step may be in flight between calls)"
+    if not hasattr(self, "_send_abort_outputs"):
+        return "the engine core runs in the client's process"
+    return ""
+
+
+def _install() -> None:
+    """Run once where vLLM imports this module, before it loads the model: the linear layout,
+    and `rollflow_update` on the engine core (when the worker lives in the engine core's process,
+    as with one worker; otherwise the engine adapter finds no such call and updates in stages)."""
+    if LINEAR_LAYOUT == "plain":
+        import vllm._custom_ops as ops
+
+        ops._supports_onednn = False  # vLLM's CPU linear dispatch then keeps torch's weights
+    from vllm.v1.engine.core import EngineCore
+
+    EngineCore.rollflow_update = rollflow_update  # type: ignore[attr-defined]
+    EngineCore.rollflow_update_refused = rollflow_update_refused  # type: ignore[attr-defined]
+
+
+_install()

@@ -11,10 +11,10 @@ version), and its log-prob is derived from the same hash, so a test can recomput
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from rollflow.engine import EngineOutput, ManagedEngine, PartialMode, Weights
+from rollflow.engine import EngineOutput, Load, ManagedEngine, PartialMode, Weights, load_callable
 from rollflow.errors import WeightSyncError
 from rollflow.records import SamplingSpec
 
@@ -186,7 +186,7 @@ class FakeEngine:
 
     async def update_weights_with(
         self,
-        load: Callable[[], Awaitable[object]],
+        load: Load,
         *,
         partial: PartialMode = "keep",
         deadline_s: float | None = None,
@@ -196,7 +196,7 @@ class FakeEngine:
         async with self._lock:
             await self.pause(keep=partial == "keep")
             try:
-                await load()
+                await load_callable(self, load)()
                 self._version = self._version + 1 if version is None else version
                 self.updates += 1
             finally:

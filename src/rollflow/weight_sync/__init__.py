@@ -31,7 +31,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from rollflow.engine import ManagedEngine, PartialMode
+from rollflow.engine import ManagedEngine, PartialMode, WorkerCall, load_callable
 from rollflow.scratch import scratch_dir
 from rollflow.weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, pack_into, plan_buckets
 from rollflow.weight_sync.gloo import GlooSender
@@ -68,6 +68,11 @@ class WeightTransport(Protocol):
     async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
         """Move the staged weights into the worker and load them; runs inside the engine's paused
         critical section."""
+        ...
+
+    def worker_call(self, plan: BucketPlan) -> WorkerCall | None:
+        """The load as one worker call when it is one (the engine may then load, label and reset
+        its prefix cache in a single call of its own), else None."""
         ...
 
     async def aclose(self) -> None: ...
@@ -126,6 +131,9 @@ class GlooTransport:
             sender.close()
             raise
 
+    def worker_call(self, plan: BucketPlan) -> None:
+        return None  # the worker receives while this process sends
+
     async def aclose(self) -> None:
         for sender in self._senders.values():
             sender.close()
@@ -148,7 +156,10 @@ class ShmTransport:
         return await run(lambda: self._sender.write(plan, tensors))
 
     async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
-        await engine.rpc("rollflow_shm_load", self._sender.name, plan.encode())
+        await load_callable(engine, self.worker_call(plan))()
+
+    def worker_call(self, plan: BucketPlan) -> WorkerCall:
+        return WorkerCall("rollflow_shm_load", (self._sender.name, plan.encode()))
 
     async def aclose(self) -> None:
         self._sender.close()
@@ -183,7 +194,10 @@ class CheckpointTransport:
         return await run(lambda: self._write(tensors))
 
     async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
-        await engine.rpc("rollflow_load_path", str(self.directory))
+        await load_callable(engine, self.worker_call(plan))()
+
+    def worker_call(self, plan: BucketPlan) -> WorkerCall:
+        return WorkerCall("rollflow_load_path", (str(self.directory),))
 
     async def aclose(self) -> None:
         if self._own:  # the scratch folder, with any staging folder left beside the weights
@@ -242,8 +256,12 @@ async def publish(
 ) -> int:
     """Load the weights staged in `transport` inside the engine's critical section; returns the
     new engine version (`version`: label them with this one instead of the next)."""
+    call = transport.worker_call(plan)
     return await engine.update_weights_with(
-        lambda: transport.load(engine, plan), partial=partial, deadline_s=deadline_s, version=version
+        call if call is not None else (lambda: transport.load(engine, plan)),
+        partial=partial,
+        deadline_s=deadline_s,
+        version=version,
     )
 
 
