@@ -3,16 +3,20 @@
 For each model (the tiny one and SmolLM2-135M-Instruct) and each `engine.linear_layout`
 (`packed`, vLLM's default on CPU, and `plain`), a live vLLM engine generates a few requests
 while the trainer side stages a full set of weights in the default `shm` transport and
-publishes it, `--rounds` times. The engine reports the seconds of its one engine-core call
+publishes it, `--rounds` times; beside each update, a call to the engine core that does nothing
+(the floor any engine-core call pays). The engine reports the seconds of its one engine-core call
 (`update`: waiting for the model step in progress, then the load, the version label and the
 prefix-cache reset) and of each part. Beside it: a memcpy of the same bytes in this process,
 and the engine's generation speed in that layout (16 greedy requests), since the layout trades
-one against the other. Then the tiny preset trains synchronously (`max_lag = 0`) and the share
-of its step wall time that is neither generating nor training is measured from its metrics.
+one against the other. Then the tiny preset trains synchronously (`max_lag = 0`) in each layout,
+and the share of its step wall time that is neither generating nor training is measured from its
+metrics.
 
 Prints a table of median milliseconds and, last, `RESULT update_vs_memcpy_tiny=X
-update_vs_memcpy_smollm2=Y update_vs_memcpy_smollm2_plain=P update_ms_tiny=T sync_overhead_frac=Z`
-(each model in the layout its preset uses: tiny plain, SmolLM2 packed; and SmolLM2 plain).
+update_vs_memcpy_smollm2=Y update_vs_memcpy_smollm2_plain=P update_ms_tiny=T sync_overhead_frac=Z
+sync_step_packed_vs_plain=R` (each model in the layout its preset uses: tiny plain, SmolLM2
+packed; and SmolLM2 plain; Z in the tiny preset's layout; R: the synchronous step's time in
+`packed` over `plain`).
 
     bin/dev python bench/weight_update.py [--rounds 8] [--models tiny,smollm2-135m-instruct] [--steps 12]
 """
@@ -27,7 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-PARTS = ("update", "load", "label", "reset prefix cache")
+PARTS = ("noop call", "update", "load", "label", "reset prefix cache")
+"""`noop call`: a call to the engine core that does nothing (vLLM's `get_weight_version`), the
+round trip any engine-core call pays, waiting for the model step in progress included."""
 LAYOUTS = ("packed", "plain")
 PRESET_LAYOUT = {"tiny": "plain"}
 """The layout each model's preset uses (others: vLLM's default, packed)."""
@@ -95,10 +101,15 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
         for _ in range(rounds + 1):
             await transport.stage(plan, weights.items())
             began = time.perf_counter()
+            await engine.llm.get_weight_version()
+            noop = time.perf_counter() - began
+            await asyncio.sleep(0.1)
+            began = time.perf_counter()
             await publish(engine, transport, plan)
             total = time.perf_counter() - began
             for name in PARTS:
                 parts[name].append(engine.last_update_s.get(name, 0.0))
+            parts["noop call"][-1] = noop
             parts["total"].append(total)
             await asyncio.sleep(0.2)
     finally:
@@ -114,8 +125,10 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
     return out
 
 
-async def sync_overhead(steps: int) -> float:
-    """(step wall - generating - training) / step wall, synchronous tiny preset, steady steps."""
+async def synchronous(steps: int, layout: str) -> dict[str, float]:
+    """The synchronous tiny preset in `layout`, steady steps (the first is left out): seconds of
+    a step, of its generating, training and weight update, and the share of the step's wall
+    time that is neither generating nor training."""
     from rollflow.config import load_config
     from rollflow.controller import train
 
@@ -126,6 +139,7 @@ async def sync_overhead(steps: int) -> float:
             f"run.max_steps={steps}",
             "run.eval_prompts=0",
             "checkpoint.final_model=false",
+            f"engine.linear_layout={layout}",
         ],
     )
     with tempfile.TemporaryDirectory() as out:
@@ -134,11 +148,10 @@ async def sync_overhead(steps: int) -> float:
     wall = last["wall_s"] - first["wall_s"]
     busy = last["engine_busy_s"] - first["engine_busy_s"]
     trained = sum(m["train_step_s"] for m in result.metrics[1:])
-    print(
-        f"synchronous tiny preset, {steps - 1} steady steps: wall {wall:.2f} s, generating {busy:.2f} s, "
-        f"training {trained:.2f} s"
-    )
-    return (wall - busy - trained) / wall
+    updated = sum(m["engine_update_s"] for m in result.metrics[1:])
+    n = steps - 1
+    return {"step": wall / n, "generate": busy / n, "train": trained / n, "update": updated / n,
+            "overhead_frac": (wall - busy - trained) / wall}
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -148,7 +161,7 @@ async def main(args: argparse.Namespace) -> None:
             row = await updates(model, layout, args.rounds, args.requests)
             row["memcpy"] = memcpy_s(int(row["bytes"]))
             rows[(model, layout)] = row
-    frac = await sync_overhead(args.steps)
+    sync = {layout: await synchronous(args.steps, layout) for layout in LAYOUTS}
     print(f"median ms over {args.rounds} updates, {args.requests} requests generating; update = the one engine call")
     columns = (*PARTS, "total", "memcpy")
     print(
@@ -171,7 +184,14 @@ async def main(args: argparse.Namespace) -> None:
             parts.append(f"update_vs_memcpy_{short}_{layout}={r['total'] / r['memcpy']:.1f}")
     if ("tiny", "plain") in rows:
         parts.append(f"update_ms_tiny={rows[('tiny', 'plain')]['total'] * 1e3:.1f}")
-    print("RESULT " + " ".join(parts) + f" sync_overhead_frac={frac:.3f}")
+    print(f"synchronous tiny preset, {args.steps - 1} steady steps, ms a step:")
+    print(f"{'layout':<10}" + "".join(f"{name:>10}" for name in ("step", "generate", "train", "update")) + "  overhead")
+    for layout, r in sync.items():
+        print(f"{layout:<10}" + "".join(f"{r[name] * 1e3:>10.1f}" for name in ("step", "generate", "train", "update"))
+              + f"  {r['overhead_frac']:.3f}")
+    frac = sync[PRESET_LAYOUT["tiny"]]["overhead_frac"]
+    ratio = sync["packed"]["step"] / sync["plain"]["step"]
+    print("RESULT " + " ".join(parts) + f" sync_overhead_frac={frac:.3f} sync_step_packed_vs_plain={ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -74,11 +74,12 @@ class EngineConfig(_Section, frozen=True):
 
     linear_layout: Literal["packed", "plain"] = "packed"
     """How vLLM's CPU backend holds the weights of linear layers (GPU engines ignore it).
-    `packed`: oneDNN's packed copy only, vLLM's default, the faster matrix products on models
-    the size of SmolLM2-135M (about 2x the tokens/s measured), but every weight update packs
-    each layer again (about 0.7 s for 135M parameters). `plain`: torch's own tensors, loaded in
-    place at memory speed (about 0.2 s for 135M), slower products on such models, faster on
-    very small ones (the tiny preset uses it). See docs/benchmarks.md."""
+    `packed` (vLLM's default): oneDNN's packed copy only; the faster matrix products (about 1.7x
+    the tokens/s of `plain` on SmolLM2-135M here), but every weight update rebuilds and packs
+    each layer again (about 0.85 s for 135M parameters). `plain`: torch's own tensors, which a
+    weight update copies into in place (about 0.2 s for 135M). On a model as small as the tiny
+    one generation speed is about the same and the update 3x cheaper, so the tiny preset uses
+    `plain`. `bench/weight_update.py` measures both; docs/weight-sync.md explains them."""
 
     start_timeout_s: NonNegFloat = 300.0
     """Seconds to wait for the engine to start before giving up with an error."""

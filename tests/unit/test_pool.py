@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rollflow.engine import EngineOutput
+from rollflow.engine import EngineOutput, WorkerCall
 from rollflow.engine.pool import EnginePool, group_key
 from rollflow.errors import EngineDeadError
 from rollflow.records import Prompt, SamplingSpec
@@ -84,6 +84,23 @@ async def test_one_weight_sync_loads_each_engine_once_inside_its_pause_with_one_
     assert (a.loads, b.loads) == (1, 1) and a.version == b.version == pool.version == 1
     assert await pool.update_weights_with(load, version=7) == 7 and a.version == b.version == 7
     assert pool.targets() == [a, b]  # outside an update: every engine
+
+
+async def test_a_load_that_is_one_worker_call_reaches_each_member_as_that_call():
+    a, b = Member("a"), Member("b")
+    received = []
+
+    class Sees(Member):
+        async def update_weights_with(self, load, **kwargs):
+            received.append(load)  # a member that can fuse it gets the call itself, not a closure
+            return await super().update_weights_with(load, **kwargs)
+
+    c = Sees("c")
+    pool = EnginePool([a, b, c])
+    call = WorkerCall("rollflow_shm_load", ("segment", b"plan"))
+    assert await pool.update_weights_with(call) == 1
+    assert received == [call]
+    assert (a.loads, b.loads, c.loads) == (1, 1, 1) and a.version == b.version == c.version == 1
 
 
 async def test_a_dead_engine_is_taken_out_and_its_requests_finish_elsewhere():
