@@ -113,6 +113,8 @@ async def test_plain_layout_loads_in_place_and_switches_versions_at_the_boundary
         state = model_a.state_dict()
         await sync_weights(plain_engine, transport, plan_for(state), state.items())
         assert await greedy(plain_engine) == model_a.greedy(PROMPT, 20)[0]
+        # The first load was watched; the later ones copied each tensor where it put it.
+        assert await plain_engine.rpc("rollflow_copy_plans") == [1]
     finally:
         await transport.aclose()
     k = sample.versions.index(v + 1)

@@ -9,7 +9,9 @@ depends on how the CPU backend holds its linear layers (`engine.linear_layout`, 
   a load goes through vLLM's layerwise reload (`reload_weights(weights_iterator=...)`), which
   rebuilds each layer and packs it again; a plain `model.load_weights` would fail;
 - `plain`: linear layers keep torch's own weight tensors (vLLM's unpacked fallback), so a load is
-  `model.load_weights`, which copies each tensor into the parameter in place.
+  `model.load_weights`, which copies each tensor into the parameter in place; the first load of
+  a set of names and shapes is watched (`CopyRecorder`) and later ones copy each tensor straight
+  to the same place, without the loader's Python work.
 
 Every source hands the loader views, one bucket at a time, in checkpoint naming:
 
@@ -27,6 +29,8 @@ import os
 import time
 from typing import Any
 
+from torch.overrides import TorchFunctionMode
+
 LINEAR_LAYOUT = os.environ.get("ROLLFLOW_LINEAR_LAYOUT", "packed")
 """`engine.linear_layout` of the engine this process serves (set before vLLM starts it)."""
 
@@ -41,13 +45,38 @@ class WorkerExtension:
     _rollflow_touched = False
     """A reload began changing the model and did not finish: its layers may be half-loaded."""
 
+    _rollflow_copies: dict[Any, list[list[Any]]] | None = None
+    """Per set of incoming names, dtypes and shapes: the model tensors each one is copied into."""
+
     def _rollflow_reload(self, weights) -> None:
         self._rollflow_touched = True  # either path changes the model tensor by tensor
         if self.rollflow_loads_in_place():
-            self.model_runner.model.load_weights(weights)  # type: ignore[attr-defined]
+            self._rollflow_copy_in_place(weights)
         else:
             self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
         self._rollflow_touched = False
+
+    def _rollflow_copy_in_place(self, weights) -> None:
+        """The model's `load_weights`, once per set of names and shapes, watched; later loads of
+        the same set copy each tensor straight to where that load put it (the loader's name
+        mapping and checks are Python work that costs more than copying a small model). The
+        incoming tensors are held at once: views for the `shm` and `gloo` transports, read
+        copies for safetensors sources."""
+        items = list(weights)
+        key = tuple((name, tensor.dtype, tuple(tensor.shape)) for name, tensor in items)
+        if self._rollflow_copies is None:
+            self._rollflow_copies = {}
+        copies = self._rollflow_copies.get(key)
+        if copies is not None:
+            for (_, tensor), targets in zip(items, copies, strict=True):
+                for target in targets:
+                    target.copy_(tensor)
+            return
+        recorder = CopyRecorder([tensor for _, tensor in items])
+        with recorder:
+            self.model_runner.model.load_weights(iter(items))  # type: ignore[attr-defined]
+        if recorder.replayable:
+            self._rollflow_copies[key] = recorder.targets
 
     def rollflow_loads_in_place(self) -> bool:
         """Whether a load copies into the model's own tensors: the CPU backend with plain linear
@@ -56,6 +85,11 @@ class WorkerExtension:
 
         runner = self.model_runner  # type: ignore[attr-defined]
         return LINEAR_LAYOUT == "plain" and current_platform.is_cpu() and not getattr(runner, "lora_config", None)
+
+    def rollflow_copy_plans(self) -> int:
+        """How many sets of weights a load copies straight into the model (see
+        `_rollflow_copy_in_place`)."""
+        return len(self._rollflow_copies or {})
 
     def rollflow_distrust(self) -> bool:
         """The loaded weights no longer match the engine's version label (a label or prefix-cache
@@ -178,6 +212,42 @@ class WorkerExtension:
         self._rollflow_group = None
         self._rollflow_buffers = None
         return True
+
+
+class CopyRecorder(TorchFunctionMode):
+    """Watches one load: which tensors each incoming tensor is copied into. `replayable` stays
+    True only if every write into a tensor during the load is `target.copy_(incoming)` with the
+    incoming tensor itself as the source (same memory, shape and strides), or a constant fill
+    (padding rows); then copying each incoming tensor into its `targets` is the same load."""
+
+    def __init__(self, incoming: list[Any]) -> None:
+        super().__init__()
+        self._index = {(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype): i for i, t in enumerate(incoming)}
+        self.targets: list[list[Any]] = [[] for _ in incoming]
+        self.replayable = len(self._index) == len(incoming)  # two incoming tensors alike: ambiguous
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        writes = name == "__setitem__" or "out" in kwargs or (name.endswith("_") and not name.startswith("_"))
+        if writes:
+            self._note(name, args)
+        return func(*args, **kwargs)
+
+    def _note(self, name: str, args: tuple[Any, ...]) -> None:
+        import torch
+
+        if name in ("fill_", "zero_") and all(not isinstance(a, torch.Tensor) for a in args[1:]):
+            return  # a constant: the same on every load
+        source = args[1] if name == "copy_" and len(args) == 2 else None
+        if not isinstance(source, torch.Tensor):
+            self.replayable = False
+            return
+        at = self._index.get((source.data_ptr(), tuple(source.shape), source.stride(), source.dtype))
+        if at is None:
+            self.replayable = False
+        else:
+            self.targets[at].append(args[0])
 
 
 LOADS = frozenset({"rollflow_load_safetensors", "rollflow_load_path", "rollflow_shm_load", "rollflow_gloo_receive"})
