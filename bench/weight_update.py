@@ -19,6 +19,7 @@ packed; and SmolLM2 plain; Z in the tiny preset's layout; R: the synchronous ste
 `packed` over `plain`).
 
     bin/dev python bench/weight_update.py [--rounds 8] [--models tiny,smollm2-135m-instruct] [--steps 12]
+        [--sync-runs 3]
 """
 
 from __future__ import annotations
@@ -161,7 +162,13 @@ async def main(args: argparse.Namespace) -> None:
             row = await updates(model, layout, args.rounds, args.requests)
             row["memcpy"] = memcpy_s(int(row["bytes"]))
             rows[(model, layout)] = row
-    sync = {layout: await synchronous(args.steps, layout) for layout in LAYOUTS}
+    runs: dict[str, list[dict[str, float]]] = {layout: [] for layout in LAYOUTS}
+    for _ in range(args.sync_runs):  # alternating, so a slow minute of the machine hits both
+        for layout in LAYOUTS:
+            runs[layout].append(await synchronous(args.steps, layout))
+    sync = {
+        layout: {name: statistics.median(r[name] for r in rs) for name in rs[0]} for layout, rs in runs.items()
+    }
     print(f"median ms over {args.rounds} updates, {args.requests} requests generating; update = the one engine call")
     columns = (*PARTS, "total", "memcpy")
     print(
@@ -184,7 +191,7 @@ async def main(args: argparse.Namespace) -> None:
             parts.append(f"update_vs_memcpy_{short}_{layout}={r['total'] / r['memcpy']:.1f}")
     if ("tiny", "plain") in rows:
         parts.append(f"update_ms_tiny={rows[('tiny', 'plain')]['total'] * 1e3:.1f}")
-    print(f"synchronous tiny preset, {args.steps - 1} steady steps, ms a step:")
+    print(f"synchronous tiny preset, {args.steps - 1} steady steps, median of {args.sync_runs} runs, ms a step:")
     print(f"{'layout':<10}" + "".join(f"{name:>10}" for name in ("step", "generate", "train", "update")) + "  overhead")
     for layout, r in sync.items():
         print(f"{layout:<10}" + "".join(f"{r[name] * 1e3:>10.1f}" for name in ("step", "generate", "train", "update"))
@@ -200,4 +207,5 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--models", default="tiny,smollm2-135m-instruct")
     parser.add_argument("--steps", type=int, default=12, help="steps of the synchronous tiny run")
+    parser.add_argument("--sync-runs", type=int, default=3, help="synchronous runs per layout, alternating")
     asyncio.run(main(parser.parse_args()))
