@@ -74,12 +74,12 @@ class EngineConfig(_Section, frozen=True):
 
     linear_layout: Literal["packed", "plain"] = "packed"
     """How vLLM's CPU backend holds the weights of linear layers (GPU engines ignore it).
-    `packed` (vLLM's default): oneDNN's packed copy only; the faster matrix products (about 1.7x
-    the tokens/s of `plain` on SmolLM2-135M here), but every weight update rebuilds and packs
-    each layer again (about 0.85 s for 135M parameters). `plain`: torch's own tensors, which a
-    weight update copies into in place (about 0.2 s for 135M). On a model as small as the tiny
-    one generation speed is about the same and the update 3x cheaper, so the tiny preset uses
-    `plain`. `bench/weight_update.py` measures both; docs/weight-sync.md explains them."""
+    `packed` (vLLM's default): oneDNN's packed copy only; the faster matrix products (about 1.5x
+    the tokens/s of `plain` on SmolLM2-135M on a 2-core x86 CPU), but every weight update
+    rebuilds and packs each layer again (0.8-1.2 s for 135M parameters there). `plain`: torch's
+    own tensors, which a weight update copies into in place (0.15-0.2 s for 135M). On a model as
+    small as the tiny one generation speed is about the same and the update 3-4x cheaper, so the
+    tiny preset uses `plain`. `bench/weight_update.py` measures both; docs/weight-sync.md explains them."""
 
     start_timeout_s: NonNegFloat = 300.0
     """Seconds to wait for the engine to start before giving up with an error."""
