@@ -56,28 +56,39 @@ async def test_transport_switches_weights_a_b_a(engine_on_a, model_a, model_b, n
 
 
 async def test_sync_during_a_live_stream_switches_versions_at_the_boundary(engine_on_a, model_a, model_b):
-    from rollflow.records import Prompt
-    from rollflow.rollout import rollout
-
     engine = engine_on_a
     transport = make_transport("gloo")
-    spec = SamplingSpec(temperature=0.0, max_tokens=64, ignore_eos=True)
     v = engine.version
     try:
         await transport.connect(engine)
-        task = asyncio.create_task(rollout(engine, Prompt(id="live", token_ids=PROMPT), spec, group_id="live", index=0))
-        while engine.num_live == 0:
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.05)
+        task = await generating(engine, "live")
         state = model_b.state_dict()
         await sync_weights(engine, transport, plan_for(state), state.items())
         sample = await task
     finally:
         await transport.aclose()
+    assert_switched_once(sample, v, model_a, model_b)
+
+
+async def generating(engine, group_id: str) -> asyncio.Task:
+    """A 64-token greedy rollout of PROMPT, started and seen generating."""
+    from rollflow.records import Prompt
+    from rollflow.rollout import rollout
+
+    spec = SamplingSpec(temperature=0.0, max_tokens=64, ignore_eos=True)
+    task = asyncio.create_task(rollout(engine, Prompt(id="live", token_ids=PROMPT), spec, group_id=group_id, index=0))
+    while engine.num_live == 0:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)
+    return task
+
+
+def assert_switched_once(sample, v: int, model_a, model_b, n: int = 64) -> None:
+    """Versions v then v + 1 with the boundary inside; A's greedy tokens before it, B's after."""
     k = sample.versions.index(v + 1)
-    assert 0 < k < 64 and sample.versions == [v] * k + [v + 1] * (64 - k)
+    assert 0 < k < n and sample.versions == [v] * k + [v + 1] * (n - k)
     assert sample.completion_token_ids[:k] == model_a.greedy(PROMPT, k)[0]
-    assert sample.completion_token_ids[k:] == model_b.greedy(PROMPT + sample.completion_token_ids[:k], 64 - k)[0]
+    assert sample.completion_token_ids[k:] == model_b.greedy(PROMPT + sample.completion_token_ids[:k], n - k)[0]
 
 
 @pytest.mark.parametrize("partial", ["keep", "resume"])
@@ -87,20 +98,12 @@ async def test_plain_layout_loads_in_place_and_switches_versions_at_the_boundary
     """`engine.linear_layout = "plain"`: the worker copies into the model's own tensors (the
     packed engine reloads layer by layer), in one engine-core call with no pause; a request
     generating across the update is exactly A's tokens, then B's from that prefix."""
-    from rollflow.records import Prompt
-    from rollflow.rollout import rollout
-
     assert await plain_engine.rpc("rollflow_loads_in_place") == [True]
     assert await engine.rpc("rollflow_loads_in_place") == [False]
     transport = make_transport("shm")
-    spec = SamplingSpec(temperature=0.0, max_tokens=64, ignore_eos=True)
     v = plain_engine.version
     try:
-        prompt = Prompt(id="live", token_ids=PROMPT)
-        task = asyncio.create_task(rollout(plain_engine, prompt, spec, group_id=f"live-{partial}", index=0))
-        while plain_engine.num_live == 0:
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.05)
+        task = await generating(plain_engine, f"live-{partial}")
         state = model_b.state_dict()
         await sync_weights(plain_engine, transport, plan_for(state), state.items(), partial=partial)
         assert list(plain_engine.last_update_s) == ["update"] + ["abort"] * (partial != "keep") + [
@@ -117,10 +120,7 @@ async def test_plain_layout_loads_in_place_and_switches_versions_at_the_boundary
         assert await plain_engine.rpc("rollflow_copy_plans") == [1]
     finally:
         await transport.aclose()
-    k = sample.versions.index(v + 1)
-    assert 0 < k < 64 and sample.versions == [v] * k + [v + 1] * (64 - k)
-    assert sample.completion_token_ids[:k] == model_a.greedy(PROMPT, k)[0]
-    assert sample.completion_token_ids[k:] == model_b.greedy(PROMPT + sample.completion_token_ids[:k], 64 - k)[0]
+    assert_switched_once(sample, v, model_a, model_b)
 
 
 async def test_stale_prefix_cache_bug_appears_without_both_guards(engine_on_a, model_a, model_b):

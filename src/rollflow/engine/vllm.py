@@ -334,9 +334,9 @@ class VLLMEngine(AdapterSync):
             new_version = self._version + 1 if version is None else version
             timings: dict[str, float] = {}
             parts: dict[str, float] = {}
-            one_call = isinstance(load, WorkerCall) and self.one_call_updates
-            if isinstance(load, WorkerCall) and one_call:
-                call = load
+            call = load if isinstance(load, WorkerCall) and self.one_call_updates else None
+            one_call = call is not None
+            if call is not None:
 
                 async def update() -> None:
                     args = (call.method, list(call.args), str(new_version), not keep)

@@ -70,10 +70,9 @@ class WeightTransport(Protocol):
         critical section."""
         ...
 
-    def worker_call(self, plan: BucketPlan) -> WorkerCall | None:
-        """The load as one worker call when it is one (the engine may then load, label and reset
-        its prefix cache in a single call of its own), else None."""
-        ...
+    # Optional: `worker_call(plan) -> WorkerCall | None`, the load as one worker call when it is
+    # one (the engine may then load, label and reset its prefix cache in a single call of its
+    # own). A transport without it always loads through `load`.
 
     async def aclose(self) -> None: ...
 
@@ -256,7 +255,8 @@ async def publish(
 ) -> int:
     """Load the weights staged in `transport` inside the engine's critical section; returns the
     new engine version (`version`: label them with this one instead of the next)."""
-    call = transport.worker_call(plan)
+    worker_call = getattr(transport, "worker_call", None)
+    call = worker_call(plan) if worker_call is not None else None
     return await engine.update_weights_with(
         call if call is not None else (lambda: transport.load(engine, plan)),
         partial=partial,
