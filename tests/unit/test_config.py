@@ -246,13 +246,14 @@ def test_the_linear_layout_reaches_every_engine_process_and_is_checked(monkeypat
     tiny = load_config(preset="tiny").engine
     assert tiny.linear_layout == "plain"
     assert engine_environment(tiny)[LINEAR_LAYOUT] == "plain"
-    # An earlier engine's setting left in this process's environment never wins over this one's.
-    monkeypatch.setenv(LINEAR_LAYOUT, "packed")
-    assert serve_environment(tiny)[LINEAR_LAYOUT] == "plain"
-    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/tmp")  # no socket folder for this test
-    prepare_environment(tiny)
     import os
 
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what prepare_environment sets goes with the test
+    # An earlier engine's setting left in this process's environment never wins over this one's.
+    os.environ[LINEAR_LAYOUT] = "packed"
+    assert serve_environment(tiny)[LINEAR_LAYOUT] == "plain"
+    os.environ["VLLM_RPC_BASE_PATH"] = "/tmp"  # no socket folder for this test
+    prepare_environment(tiny)
     assert os.environ[LINEAR_LAYOUT] == "plain"
     with pytest.raises(ConfigError, match=r"engine.linear_layout.*'packed', 'plain'"):
         load_config(overrides=["engine.linear_layout=blocked"])
