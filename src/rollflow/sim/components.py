@@ -357,8 +357,5 @@ class SimTransport:
     async def load(self, engine: Any, plan: Any) -> None:
         await asyncio.sleep(self.profile.sync_fixed_s + self.profile.weight_bytes / self.profile.sync_bytes_per_s)
 
-    def worker_call(self, plan: Any) -> None:
-        return None  # the simulated load takes its modelled time
-
     async def aclose(self) -> None:
         return None

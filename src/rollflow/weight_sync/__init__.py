@@ -72,7 +72,8 @@ class WeightTransport(Protocol):
 
     # Optional: `worker_call(plan) -> WorkerCall | None`, the load as one worker call when it is
     # one (the engine may then load, label and reset its prefix cache in a single call of its
-    # own). A transport without it always loads through `load`.
+    # own). A transport without it always loads through `load` (`gloo` and `nccl`: the worker
+    # receives while this process sends).
 
     async def aclose(self) -> None: ...
 
@@ -129,9 +130,6 @@ class GlooTransport:
             self._senders.pop(id(member), None)  # a failed collective leaves the group unusable: rejoin
             sender.close()
             raise
-
-    def worker_call(self, plan: BucketPlan) -> None:
-        return None  # the worker receives while this process sends
 
     async def aclose(self) -> None:
         for sender in self._senders.values():

@@ -147,9 +147,6 @@ class NcclTransport:
         finally:
             self._staged = []
 
-    def worker_call(self, plan: BucketPlan) -> None:
-        return None  # vLLM's weight-transfer engine receives while this process sends
-
     async def aclose(self) -> None:
         if self._trainer is not None:
             await asyncio.to_thread(self._trainer.shutdown)
