@@ -293,11 +293,23 @@ async def test_a_run_of_agents_labels_every_token_with_the_version_that_computed
     """The whole controller on the fake engine (whose token t is a hash of the context and the
     version), weight updates landing in the middle of agents' calls (keep mode): replaying each
     trained sequence shows every model token was computed by exactly the version it is labelled
-    with, and the agent's own messages are never in the loss."""
+    with, and the agent's own messages are never in the loss. One call is held after two tokens
+    until the first update lands, so at least one call spans versions however fast the rest runs
+    (unheld, the engine can finish the first two steps' episodes before the first update)."""
     from rollflow.config import load_config
     from rollflow.controller import Controller
     from rollflow.ledger import summarize
     from rollflow.testing import EOS_TOKEN, FakeEngine, FakeTrainer, NullTransport, context_state, fake_token, mix
+
+    class HoldingEngine(FakeEngine):
+        held: str | None = None
+
+        async def _step_wait(self, request_id, context_tokens):
+            await super()._step_wait(request_id, context_tokens)
+            if self.held is None and len(self._progress[request_id][2]) == 2:
+                self.held = request_id
+                while self.version == 0:
+                    await asyncio.sleep(0.005)
 
     episodes = iter(range(1000))
 
@@ -312,11 +324,14 @@ async def test_a_run_of_agents_labels_every_token_with_the_version_that_computed
 
     config = load_config(preset="tiny", overrides=["run.max_steps=4", "run.max_lag=1", "sampling.max_tokens=6",
                                                    "env.max_tokens=300", "env.max_turns=5"])
-    controller = Controller(config, tmp_path, engine=FakeEngine(token_delay=0.002), trainer=FakeTrainer(),
+    engine = HoldingEngine(token_delay=0.002)
+    controller = Controller(config, tmp_path, engine=engine, trainer=FakeTrainer(),
                             transport=NullTransport(), tokenizer=load_tokenizer(tiny_model_path(0)), agent=agent)
     result = await asyncio.wait_for(controller.run(), 120)
     assert result.steps == 4 and summarize(tmp_path).ok
-    spans = 0
+    assert engine.held is not None
+    turn, _, index = engine.held.partition("#")[0].rpartition("/")  # request ids: GROUP/tN/INDEX[#ATTEMPT]
+    held_call, spans, held = (turn.rpartition("/t")[0], index), 0, 0
     for group in record_groups:
         for sample in group.samples:
             assert 2 <= sample.turns <= 5 and sample.segments == []
@@ -330,6 +345,8 @@ async def test_a_run_of_agents_labels_every_token_with_the_version_that_computed
                 [t for t, m in zip(sample.completion_token_ids, sample.loss_mask, strict=True) if not m])
             assert "turn 0 done" in agents_text
             spans += len(set(sample.versions)) > 1
+            held += held_call == (sample.group_id, str(sample.index))
+    assert held == 1, f"the held call's episode ({engine.held}) is not in any batch"
     assert spans > 0, "no episode saw a weight update"
 
 
