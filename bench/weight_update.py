@@ -13,9 +13,10 @@ and the share of its step wall time that is neither generating nor training is m
 metrics.
 
 Prints a table of median milliseconds and, last, `RESULT update_vs_memcpy_tiny=X
-update_vs_memcpy_smollm2=Y update_vs_memcpy_smollm2_plain=P update_ms_tiny=T sync_overhead_frac=Z
-sync_step_packed_vs_plain=R` (each model in the layout its preset uses: tiny plain, SmolLM2
-packed; and SmolLM2 plain; Z in the tiny preset's layout; R: the synchronous step's time in
+update_vs_memcpy_smollm2=Y update_vs_memcpy_smollm2_plain=P update_ms_tiny=T idle_noop_ms_tiny=I
+sync_overhead_frac=Z sync_step_packed_vs_plain=R` (each model in the layout its preset uses: tiny
+plain, SmolLM2 packed; and SmolLM2 plain; I: the do-nothing engine-core call to the idle tiny
+engine, vLLM's IPC alone; Z in the tiny preset's layout; R: the synchronous step's time in
 `packed` over `plain`).
 
     bin/dev python bench/weight_update.py [--rounds 8] [--models tiny,smollm2-135m-instruct] [--steps 12]
@@ -35,6 +36,8 @@ from pathlib import Path
 PARTS = ("noop call", "update", "load", "label", "reset prefix cache")
 """`noop call`: a call to the engine core that does nothing (vLLM's `get_weight_version`), the
 round trip any engine-core call pays, waiting for the model step in progress included."""
+IDLE = "idle noop"
+"""The same call to an idle engine (no request running), median of 30: vLLM's IPC alone."""
 LAYOUTS = ("packed", "plain")
 PRESET_LAYOUT = {"tiny": "plain"}
 """The layout each model's preset uses (others: vLLM's default, packed)."""
@@ -87,6 +90,12 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
     engine = VLLMEngine(path, EngineConfig(max_num_seqs=16, linear_layout=layout))  # type: ignore[arg-type]
     transport = ShmTransport()
     await engine.start()
+    idle = []
+    for _ in range(30):
+        began = time.perf_counter()
+        await engine.llm.get_weight_version()
+        idle.append(time.perf_counter() - began)
+        await asyncio.sleep(0.02)
     speed = await tokens_per_s(engine)
     spec = SamplingSpec(temperature=1.0, max_tokens=256, ignore_eos=True)
 
@@ -123,6 +132,7 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
     out = {name: statistics.median(values[1:]) for name, values in parts.items()}  # the first warms up
     out["bytes"] = float(plan.total_bytes)
     out["tokens/s"] = speed
+    out[IDLE] = statistics.median(idle)
     return out
 
 
@@ -170,7 +180,7 @@ async def main(args: argparse.Namespace) -> None:
         layout: {name: statistics.median(r[name] for r in rs) for name in rs[0]} for layout, rs in runs.items()
     }
     print(f"median ms over {args.rounds} updates, {args.requests} requests generating; update = the one engine call")
-    columns = (*PARTS, "total", "memcpy")
+    columns = (IDLE, *PARTS, "total", "memcpy")
     print(
         f"{'model':<24}{'layout':>8}{'MB':>8}"
         + "".join(f"{name:>20}" for name in columns)
@@ -190,7 +200,8 @@ async def main(args: argparse.Namespace) -> None:
         elif model != "tiny":
             parts.append(f"update_vs_memcpy_{short}_{layout}={r['total'] / r['memcpy']:.1f}")
     if ("tiny", "plain") in rows:
-        parts.append(f"update_ms_tiny={rows[('tiny', 'plain')]['total'] * 1e3:.1f}")
+        tiny = rows[("tiny", "plain")]
+        parts.append(f"update_ms_tiny={tiny['total'] * 1e3:.1f} idle_noop_ms_tiny={tiny[IDLE] * 1e3:.1f}")
     print(f"synchronous tiny preset, {args.steps - 1} steady steps, median of {args.sync_runs} runs, ms a step:")
     print(f"{'layout':<10}" + "".join(f"{name:>10}" for name in ("step", "generate", "train", "update")) + "  overhead")
     for layout, r in sync.items():
