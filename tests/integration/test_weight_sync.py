@@ -97,7 +97,8 @@ async def test_plain_layout_loads_in_place_and_switches_versions_at_the_boundary
 ):
     """`engine.linear_layout = "plain"`: the worker copies into the model's own tensors (the
     packed engine reloads layer by layer), in one engine-core call with no pause; a request
-    generating across the update is exactly A's tokens, then B's from that prefix."""
+    generating across the update is exactly A's tokens, then B's from that prefix. Loads from
+    files stream through the model's loader."""
     assert await plain_engine.rpc("rollflow_loads_in_place") == [True]
     assert await engine.rpc("rollflow_loads_in_place") == [False]
     transport = make_transport("shm")
@@ -117,6 +118,16 @@ async def test_plain_layout_loads_in_place_and_switches_versions_at_the_boundary
         await sync_weights(plain_engine, transport, plan_for(state), state.items())
         assert await greedy(plain_engine) == model_a.greedy(PROMPT, 20)[0]
         # The first load was watched; the later ones copied each tensor where it put it.
+        assert await plain_engine.rpc("rollflow_copy_plans") == [1]
+        # From files, one tensor at a time through the model's loader (nothing replayed).
+        files = make_transport("checkpoint")
+        try:
+            for model in (model_b, model_a):
+                state = model.state_dict()
+                await sync_weights(plain_engine, files, plan_for(state), state.items())
+                assert await greedy(plain_engine) == model.greedy(PROMPT, 20)[0]
+        finally:
+            await files.aclose()
         assert await plain_engine.rpc("rollflow_copy_plans") == [1]
     finally:
         await transport.aclose()

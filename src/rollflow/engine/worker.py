@@ -48,20 +48,25 @@ class WorkerExtension:
     _rollflow_copies: dict[Any, list[list[Any]]] | None = None
     """Per set of incoming names, dtypes and shapes: the model tensors each one is copied into."""
 
-    def _rollflow_reload(self, weights) -> None:
-        self._rollflow_touched = True  # either path changes the model tensor by tensor
-        if self.rollflow_loads_in_place():
-            self._rollflow_copy_in_place(weights)
-        else:
+    def _rollflow_reload(self, weights, *, streamed: bool = False) -> None:
+        """Load `(name, tensor)` pairs into the model. `streamed`: each tensor is read from a
+        file as it comes, so the in-place path hands them to the model's loader one at a time
+        (holding them all to replay the first load's copies would hold the whole model)."""
+        self._rollflow_touched = True  # every path changes the model tensor by tensor
+        if not self.rollflow_loads_in_place():
             self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+        elif streamed:
+            self.model_runner.model.load_weights(weights)  # type: ignore[attr-defined]
+        else:
+            self._rollflow_copy_in_place(weights)
         self._rollflow_touched = False
 
     def _rollflow_copy_in_place(self, weights) -> None:
         """The model's `load_weights`, once per set of names and shapes, watched; later loads of
         the same set copy each tensor straight to where that load put it (the loader's name
         mapping and checks are Python work that costs more than copying a small model). The
-        incoming tensors are held at once: views for the `shm` and `gloo` transports, read
-        copies for safetensors sources."""
+        incoming tensors are held at once: views into memory the source holds anyway (a
+        shared-memory segment, gloo's receive buffers, a safetensors payload already read)."""
         items = list(weights)
         key = tuple((name, tensor.dtype, tuple(tensor.shape)) for name, tensor in items)
         if self._rollflow_copies is None:
@@ -151,7 +156,7 @@ class WorkerExtension:
                     for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                         yield name, f.get_tensor(name)
 
-        self._rollflow_reload(weights())
+        self._rollflow_reload(weights(), streamed=True)
         return len(files)
 
     def rollflow_shm_load(self, name: str, plan: bytes | str) -> int:
