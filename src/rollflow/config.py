@@ -72,14 +72,19 @@ class EngineConfig(_Section, frozen=True):
     threads: PosInt = 1
     """Torch/OpenMP threads for the engine process."""
 
-    linear_layout: Literal["packed", "plain"] = "packed"
+    linear_layout: Literal["staged", "packed", "plain"] = "staged"
     """How vLLM's CPU backend holds the weights of linear layers (GPU engines ignore it).
-    `packed` (vLLM's default): oneDNN's packed copy only; the faster matrix products (about 1.5x
-    the tokens/s of `plain` on SmolLM2-135M on a 2-core x86 CPU), but every weight update
-    rebuilds and packs each layer again (0.8-1.2 s for 135M parameters there). `plain`: torch's
-    own tensors, which a weight update copies into in place (0.15-0.2 s for 135M). On a model as
-    small as the tiny one generation speed is about the same and the update 3-4x cheaper, so the
-    tiny preset uses `plain`. `bench/weight_update.py` measures both; docs/weight-sync.md explains them."""
+    `staged` (the default): oneDNN's packed copy, which the matrix products read, and torch's
+    tensor, which weight updates write; a repeated update is copied and packed on a thread while
+    the engine keeps generating and made live in one short engine-core call (about 0.1 s for
+    SmolLM2-135M on a 2-core x86 CPU, 1.2-1.6x a memcpy of its weights), at the price of one
+    more copy of every linear weight and of the embedding in memory (about 540 MB for 135M
+    parameters in fp32). `packed` (vLLM's own): the packed copy only; every update rebuilds and
+    packs each layer again inside the critical section (0.8-1.2 s there). `plain`: torch's
+    tensors only, which an update copies into in place (0.15-0.2 s), but the matrix products are
+    slower (0.6-0.7x the tokens/s on SmolLM2-135M); on a model as small as the tiny one speed is
+    about the same and the update cheapest, so the tiny preset uses `plain`.
+    `bench/weight_update.py` measures all three; docs/weight-sync.md explains them."""
 
     start_timeout_s: NonNegFloat = 300.0
     """Seconds to wait for the engine to start before giving up with an error."""

@@ -11,6 +11,8 @@ the code are:
 - `weight-sync`: the engine is loading new weights;
 - `weights-loaded`: inside the engine process, a one-call weight update has loaded the new
   weights and not yet labelled them (`rollflow.engine.worker.rollflow_update`);
+- `stage`: inside the engine process, a staged load (`engine.linear_layout = "staged"`) has
+  written the plain linear weights and not yet packed them (on the stage thread);
 - `checkpoint-write`: the checkpoint's tensors are written, its run state not yet;
 - `checkpoint-saved`: a checkpoint has just been completed;
 - `leader-step`: with several trainer ranks, rank 0 has announced a step, the others are in it.

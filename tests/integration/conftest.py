@@ -80,6 +80,19 @@ async def plain_engine():
     await eng.aclose()
 
 
+@pytest.fixture(scope="session")
+async def staged_engine():
+    """An engine whose linear layers keep oneDNN's packed copy and torch's weights
+    (`engine.linear_layout = "staged"`)."""
+    eng = VLLMEngine(
+        tiny_model_path(0),
+        EngineConfig(kv_cache_bytes=64 * 1024 * 1024, max_model_len=512, max_num_seqs=8, linear_layout="staged"),
+    )
+    await eng.start()
+    yield eng
+    await eng.aclose()
+
+
 @pytest.fixture
 async def engine_on_a(engine, model_a):
     """The engine, guaranteed to hold model A's weights afterwards (tests may load others)."""

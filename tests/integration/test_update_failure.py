@@ -21,8 +21,10 @@ PROMPT = [1, 735, 202, 276, 261, 264, 277, 281, 34, 2, 202, 1, 871, 202]
 GREEDY = SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-async def fresh_engine() -> VLLMEngine:
-    config = EngineConfig(kv_cache_bytes=64 * 1024 * 1024, max_model_len=256, max_num_seqs=4, update_deadline_s=5)
+async def fresh_engine(**settings) -> VLLMEngine:
+    config = EngineConfig(
+        kv_cache_bytes=64 * 1024 * 1024, max_model_len=256, max_num_seqs=4, update_deadline_s=5, **settings
+    )
     return await VLLMEngine(tiny_model_path(0), config).start()
 
 
@@ -149,3 +151,24 @@ async def test_an_engine_start_that_times_out_leaves_no_engine_process():
             late.append(sorted(running))
         await asyncio.sleep(0.5)
     assert late == []
+
+
+async def test_a_stage_that_fails_is_loaded_whole_and_the_engine_serves_the_new_weights(model_a, model_b, monkeypatch):
+    """`staged` layout: the stage fails on its thread (an injected fault inside the engine
+    process, after the plain weights may have started changing); nothing the forward reads was
+    touched, so the update falls back to a whole load in the critical section, which rewrites
+    every weight and packs each layer again. The next update stages again."""
+    monkeypatch.setenv("ROLLFLOW_FAULT", "stage:1:raise")
+    engine = await fresh_engine(linear_layout="staged")
+    monkeypatch.delenv("ROLLFLOW_FAULT")
+    try:
+        await engine.update_weights(model_b.state_dict())  # the first load of these names: whole, watched
+        assert "stage" not in engine.last_update_s
+        await engine.update_weights(model_a.state_dict())  # staged, fails, loaded whole
+        assert "stage" not in engine.last_update_s and engine.version == 2
+        assert (await engine.generate(PROMPT, GREEDY, "a")).token_ids == model_a.greedy(PROMPT, 12)[0]
+        await engine.update_weights(model_b.state_dict())
+        assert "stage" in engine.last_update_s and engine.version == 3
+        assert (await engine.generate(PROMPT, GREEDY, "b")).token_ids == model_b.greedy(PROMPT, 12)[0]
+    finally:
+        await engine.aclose()

@@ -45,10 +45,14 @@ async def test_transport_switches_weights_a_b_a(engine_on_a, model_a, model_b, n
             assert await sync_weights(engine, transport, plan, state.items()) == before + 1
             assert await greedy(engine) == want
             # Every stage of the critical section is timed (bench/weight_update.py reads them): a
-            # load that is one worker call runs in one engine-core call with the label and reset.
+            # load that is one worker call runs in one engine-core call with the label and reset;
+            # in the default `staged` layout, one of shm views (names and shapes loaded before) is
+            # staged first while the engine generates.
             if name == "gloo":  # the worker receives while this process sends: in stages
                 assert list(engine.last_update_s) == ["pause", "load", "label", "reset prefix cache", "resume"]
-            else:
+            elif name == "shm":
+                assert list(engine.last_update_s) == ["update", "stage", "load", "label", "reset prefix cache"]
+            else:  # files are loaded whole
                 assert list(engine.last_update_s) == ["update", "load", "label", "reset prefix cache"]
             assert all(0 <= s < 60 for s in engine.last_update_s.values())
     finally:
@@ -129,6 +133,39 @@ async def test_plain_layout_loads_in_place_and_switches_versions_at_the_boundary
         finally:
             await files.aclose()
         assert await plain_engine.rpc("rollflow_copy_plans") == [1]
+    finally:
+        await transport.aclose()
+    assert_switched_once(sample, v, model_a, model_b)
+
+
+@pytest.mark.parametrize("partial", ["keep", "resume"])
+async def test_staged_layout_stages_while_generating_and_switches_versions_at_the_boundary(
+    staged_engine, model_a, model_b, partial
+):
+    """`engine.linear_layout = "staged"`: the first load of a set of names and shapes is made
+    whole in the critical section (and watched); later ones are copied and packed on a thread of
+    the engine process while it generates, and the one engine-core call only commits them. A
+    request generating across the commit is exactly A's tokens, then B's from that prefix."""
+    engine = staged_engine
+    assert await engine.rpc("rollflow_stages_updates") == [True]
+    transport = make_transport("shm")
+    try:
+        for model in (model_b, model_a):
+            state = model.state_dict()
+            await sync_weights(engine, transport, plan_for(state), state.items())
+            assert await greedy(engine) == model.greedy(PROMPT, 20)[0]
+        assert "stage" in engine.last_update_s  # the second one (the first of a session was whole)
+        v = engine.version
+        task = await generating(engine, f"staged-{partial}")
+        state = model_b.state_dict()
+        await sync_weights(engine, transport, plan_for(state), state.items(), partial=partial)
+        assert {"stage", "update", "load", "label", "reset prefix cache"} <= set(engine.last_update_s)
+        sample = await task
+        assert await greedy(engine) == model_b.greedy(PROMPT, 20)[0]
+        # Safetensors bytes of the same names and shapes stage through the same plan.
+        await engine.update_weights(model_a.state_dict())
+        assert "stage" in engine.last_update_s
+        assert await greedy(engine) == model_a.greedy(PROMPT, 20)[0]
     finally:
         await transport.aclose()
     assert_switched_once(sample, v, model_a, model_b)

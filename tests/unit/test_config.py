@@ -242,7 +242,7 @@ def test_the_memory_a_run_may_use_is_the_containers_limit_where_that_is_lower(tm
 def test_the_linear_layout_reaches_every_engine_process_and_is_checked(monkeypatch):
     from rollflow.engine.environment import LINEAR_LAYOUT, engine_environment, prepare_environment, serve_environment
 
-    assert load_config().engine.linear_layout == "packed"  # vLLM's own default on CPU
+    assert load_config().engine.linear_layout == "staged"
     tiny = load_config(preset="tiny").engine
     assert tiny.linear_layout == "plain"
     assert engine_environment(tiny)[LINEAR_LAYOUT] == "plain"
@@ -255,5 +255,5 @@ def test_the_linear_layout_reaches_every_engine_process_and_is_checked(monkeypat
     os.environ["VLLM_RPC_BASE_PATH"] = "/tmp"  # no socket folder for this test
     prepare_environment(tiny)
     assert os.environ[LINEAR_LAYOUT] == "plain"
-    with pytest.raises(ConfigError, match=r"engine.linear_layout.*'packed', 'plain'"):
+    with pytest.raises(ConfigError, match=r"engine.linear_layout.*'staged', 'packed', 'plain'"):
         load_config(overrides=["engine.linear_layout=blocked"])

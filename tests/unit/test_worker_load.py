@@ -40,6 +40,9 @@ def worker(model: Model):
         def rollflow_loads_in_place(self) -> bool:
             return True
 
+        def rollflow_stages_updates(self) -> bool:
+            return False  # the `plain` layout's path
+
     return Worker()
 
 

@@ -110,7 +110,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     weight_sync_bytes: int
     """Bytes staged for the engine."""
     engine_update_s: float
-    """The latest completed engine load, critical section included."""
+    """The latest completed engine load, critical section included (with
+    `engine.linear_layout = "staged"`, its stage too, while the engine generated)."""
     buffer_groups: int
     """Groups waiting in the buffer after the step."""
     engine_busy_s: float

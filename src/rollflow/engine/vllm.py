@@ -15,7 +15,9 @@ the worker side), so a vLLM upgrade (CPU 0.32, GPU 0.33) changes one package. Wh
   the update is exactly what the new weights produce from the prefix. A load that is one worker
   call (`WorkerCall`: the shm and checkpoint transports, `update_weights`) runs as a single
   engine-core call that loads, labels and resets between two model steps (`rollflow_update` in
-  `engine.worker`): no pause and no resume, one round trip instead of five;
+  `engine.worker`): no pause and no resume, one round trip instead of five. With
+  `engine.linear_layout = "staged"` such a load is first staged on a thread of the engine
+  process while it keeps generating (`rollflow_stage`), and the one call only makes it live;
 - vLLM's dead-engine error becomes rollflow's `EngineDeadError`.
 
 It does not choose what to generate or when to update; rollout and the controller do.
@@ -93,6 +95,8 @@ class VLLMEngine(AdapterSync):
         `label`, `reset prefix cache`; or, in stages, `pause`, `load`, ..., `resume`."""
         self.one_call_updates = False
         """Whether a `WorkerCall` load runs as one engine-core call (found out at start)."""
+        self.stages_updates = False
+        """Whether such a load is staged first while the engine generates (`staged` layout)."""
 
     @property
     def version(self) -> int:
@@ -137,6 +141,8 @@ class VLLMEngine(AdapterSync):
         self.one_call_updates = not refused
         if refused:
             log.info("weight updates run in stages: %s", refused)
+        else:
+            self.stages_updates = all(await self._llm.collective_rpc("rollflow_stages_updates"))
         log.info("vLLM engine ready in %.1f s", time.monotonic() - began)
         return self
 
@@ -336,6 +342,11 @@ class VLLMEngine(AdapterSync):
             parts: dict[str, float] = {}
             call = load if isinstance(load, WorkerCall) and self.one_call_updates else None
             one_call = call is not None
+            if call is not None and self.stages_updates:
+                began = time.perf_counter()
+                if await self._stage(call, deadline_s if deadline_s is not None else self.config.update_deadline_s):
+                    call = WorkerCall("rollflow_commit_staged")
+                    parts["stage"] = time.perf_counter() - began
             if call is not None:
 
                 async def update() -> None:
@@ -381,6 +392,22 @@ class VLLMEngine(AdapterSync):
             self._version = new_version
             self.last_update_s = timings | parts
         return self._version
+
+    async def _stage(self, call: WorkerCall, deadline_s: float) -> bool:
+        """Stage the load `call` in the engine process while it keeps generating; False: it was
+        not staged (the first load of its names and shapes, a load from files, a failure, the
+        deadline), so the critical section makes it whole, which stops what is left of the stage.
+        A stage changes nothing the model's forward reads, so failing here costs only time."""
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
+
+        answer = self.llm.engine_core.call_utility_async("rollflow_stage", call.method, list(call.args))
+        try:
+            return bool(await asyncio.wait_for(self._unless_dead(answer), deadline_s))
+        except VLLMDead as err:
+            raise self._dead(err) from err
+        except Exception as err:
+            log.warning("staging the weight update failed, loading it whole instead: %r", err)
+            return False
 
     async def _unless_dead(self, call: Awaitable[Any], poll_s: float = 0.5) -> Any:
         """Await `call`, but raise vLLM's dead-engine error as soon as the engine is known dead

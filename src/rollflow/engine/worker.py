@@ -11,7 +11,12 @@ depends on how the CPU backend holds its linear layers (`engine.linear_layout`, 
 - `plain`: linear layers keep torch's own weight tensors (vLLM's unpacked fallback), so a load is
   `model.load_weights`, which copies each tensor into the parameter in place; the first load of
   a set of names and shapes is watched (`CopyRecorder`) and later ones copy each tensor straight
-  to the same place, without the loader's Python work.
+  to the same place, without the loader's Python work;
+- `staged`: linear layers keep both (vLLM's dispatch is told not to remove the plain weight), so a
+  load is `model.load_weights` (watched, then replayed, as in `plain`) and a new packed copy of
+  each changed layer. A repeated load can be staged while the engine generates
+  (`rollflow_stage`, `rollflow.engine.staging`) and committed in one short engine-core call
+  (`rollflow_commit_staged`).
 
 Every source hands the loader views, one bucket at a time, in checkpoint naming:
 
@@ -26,12 +31,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from torch.overrides import TorchFunctionMode
 
-LINEAR_LAYOUT = os.environ.get("ROLLFLOW_LINEAR_LAYOUT", "packed")
+LINEAR_LAYOUT = os.environ.get("ROLLFLOW_LINEAR_LAYOUT", "staged")
 """`engine.linear_layout` of the engine this process serves (set before vLLM starts it)."""
 
 
@@ -48,10 +55,24 @@ class WorkerExtension:
     _rollflow_copies: dict[Any, list[list[Any]]] | None = None
     """Per set of incoming names, dtypes and shapes: the model tensors each one is copied into."""
 
+    _rollflow_plans: dict[Any, Any] | None = None
+    """`staged` layout: per key of `_rollflow_copies`, its `StagePlan` (None: not stageable)."""
+    _rollflow_stage: tuple[threading.Thread, threading.Event] | None = None
+    """The stage thread of the last `rollflow_stage` and the event that stops it."""
+    _rollflow_staged: Any = None
+    """The `Staged` load that `rollflow_commit_staged` commits."""
+    _rollflow_dirty: Any = None
+    """`staged` layout: the key of a staged load that wrote plain linear weights and was not
+    committed; their packed copies then no longer match them until a load rewrites them."""
+
     def _rollflow_reload(self, weights, *, streamed: bool = False) -> None:
         """Load `(name, tensor)` pairs into the model. `streamed`: each tensor is read from a
         file as it comes, so the in-place path hands them to the model's loader one at a time
         (holding them all to replay the first load's copies would hold the whole model)."""
+        self._rollflow_stop_stage()
+        if self.rollflow_stages_updates():
+            self._rollflow_load_and_pack(weights, streamed=streamed)
+            return
         self._rollflow_touched = True  # every path changes the model tensor by tensor
         if not self.rollflow_loads_in_place():
             self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
@@ -61,14 +82,128 @@ class WorkerExtension:
             self._rollflow_copy_in_place(weights)
         self._rollflow_touched = False
 
+    def _rollflow_load_and_pack(self, weights, *, streamed: bool) -> None:
+        """`staged` layout, a whole load in the critical section: into the plain weights in place,
+        then each changed packed layer packed again from its weight."""
+        from rollflow.engine.staging import pack, packed_layers
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        if streamed:
+            if self._rollflow_dirty is not None:
+                raise RuntimeError(_DIRTY)
+            self._rollflow_touched = True
+            model.load_weights(weights)
+            layers = packed_layers(model)
+        else:
+            items = _in_order(weights)
+            key = _key(items)
+            if self._rollflow_dirty not in (None, key):
+                plan = self._rollflow_plan(key)
+                if plan is None or not plan.covers_all:
+                    raise RuntimeError(_DIRTY)
+            self._rollflow_touched = True
+            self._rollflow_copy_in_place(items)
+            plan = self._rollflow_plan(key)
+            layers = [layer for layer, _ in plan.layers] if plan is not None else packed_layers(model)
+        for layer in layers:
+            layer.cpu_linear = pack(layer, layer.weight, _DISPATCH[0])
+        self._rollflow_dirty = None
+        self._rollflow_touched = False
+
+    def _rollflow_plan(self, key) -> Any:
+        """The stage plan of a watched load's key (None: no replayable copies, or not stageable)."""
+        from rollflow.engine.staging import plan_stage
+
+        copies = (self._rollflow_copies or {}).get(key)
+        if copies is None:
+            return None
+        if self._rollflow_plans is None:
+            self._rollflow_plans = {}
+        if key not in self._rollflow_plans:
+            self._rollflow_plans[key] = plan_stage(self.model_runner.model, copies)  # type: ignore[attr-defined]
+        return self._rollflow_plans[key]
+
+    def rollflow_stages_updates(self) -> bool:
+        """Whether a repeated load can be staged while the engine generates: the `staged` layout
+        on the CPU backend with no LoRA layers."""
+        from vllm.platforms import current_platform
+
+        runner = self.model_runner  # type: ignore[attr-defined]
+        return LINEAR_LAYOUT == "staged" and current_platform.is_cpu() and not getattr(runner, "lora_config", None)
+
+    def rollflow_stage(self, method: str, args: list[Any]) -> Future:
+        """Start staging the load `method(*args)` on a thread; the future answers True when it is
+        staged (commit it with `rollflow_commit_staged`), False when this load cannot be staged
+        (not the `staged` layout, a load from files, or the first load of these names and
+        shapes: make it whole), or the error that stopped it. Nothing the forward reads changes."""
+        from rollflow.engine.staging import Cancelled
+
+        self._rollflow_stop_stage()
+        self._rollflow_staged = None
+        answer: Future = Future()
+        if not self.rollflow_stages_updates() or method not in STAGEABLE:
+            answer.set_result(False)
+            return answer
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                items = _in_order(self._rollflow_incoming(method, args))
+                key = _key(items)
+                plan = self._rollflow_plan(key)
+                if plan is None or (self._rollflow_dirty not in (None, key) and not plan.covers_all):
+                    answer.set_result(False)
+                    return
+                self._rollflow_dirty = key
+                self._rollflow_staged = plan.stage(items, _DISPATCH[0], stop)
+                answer.set_result(True)
+            except Cancelled:
+                answer.set_result(False)
+            except BaseException as err:
+                answer.set_exception(err)
+
+        thread = threading.Thread(target=run, name="rollflow-stage", daemon=True)
+        self._rollflow_stage = (thread, stop)
+        thread.start()
+        return answer
+
+    def _rollflow_stop_stage(self) -> None:
+        """Stop the stage thread, if one runs, and wait for it (at most one tensor's copy)."""
+        if self._rollflow_stage is not None:
+            thread, stop = self._rollflow_stage
+            stop.set()
+            thread.join()
+            self._rollflow_stage = None
+
+    def rollflow_commit_staged(self) -> int:
+        """Make the staged load live: copy its spare tensors in, swap the packed layers."""
+        staged, self._rollflow_staged = self._rollflow_staged, None
+        if staged is None or self._rollflow_stage is None:
+            raise RuntimeError("rollflow_commit_staged: nothing is staged (rollflow_stage first)")
+        self._rollflow_stage[0].join()  # it has answered; let it end
+        self._rollflow_stage = None
+        self._rollflow_touched = True
+        staged.commit()
+        self._rollflow_dirty = None
+        self._rollflow_touched = False
+        return len(staged.packed)
+
+    def _rollflow_incoming(self, method: str, args: list[Any]) -> Any:
+        """The (name, tensor) pairs a stageable load `method(*args)` would load."""
+        if method == "rollflow_shm_load":
+            return self._rollflow_shm_views(*args)
+        from safetensors.torch import load
+
+        return load(args[0]).items()
+
     def _rollflow_copy_in_place(self, weights) -> None:
         """The model's `load_weights`, once per set of names and shapes, watched; later loads of
         the same set copy each tensor straight to where that load put it (the loader's name
         mapping and checks are Python work that costs more than copying a small model). The
         incoming tensors are held at once: views into memory the source holds anyway (a
         shared-memory segment, gloo's receive buffers, a safetensors payload already read)."""
-        items = list(weights)
-        key = tuple((name, tensor.dtype, tuple(tensor.shape)) for name, tensor in items)
+        items = _in_order(weights)
+        key = _key(items)
         if self._rollflow_copies is None:
             self._rollflow_copies = {}
         copies = self._rollflow_copies.get(key)
@@ -169,15 +304,26 @@ class WorkerExtension:
         import base64
 
         from rollflow.weight_sync.buckets import BucketPlan
-        from rollflow.weight_sync.shm import map_segment, read_buckets
 
         decoded = BucketPlan.decode(base64.b64decode(plan) if isinstance(plan, str) else plan)
-        key = (name, max(decoded.total_bytes, 1))
+        self._rollflow_reload(self._rollflow_shm_views(name, decoded))
+        return decoded.total_bytes
+
+    def _rollflow_shm_views(self, name: str, plan: Any) -> Any:
+        """The (name, view) pairs of the segment `name`, as `plan` (a `BucketPlan`, its bytes or
+        their base64 text) lays it out."""
+        import base64
+
+        from rollflow.weight_sync.buckets import BucketPlan
+        from rollflow.weight_sync.shm import map_segment, read_buckets
+
+        if not isinstance(plan, BucketPlan):
+            plan = BucketPlan.decode(base64.b64decode(plan) if isinstance(plan, str) else plan)
+        key = (name, max(plan.total_bytes, 1))
         if self._rollflow_shm is None or self._rollflow_shm[0] != key:
             self._rollflow_shm_close()
             self._rollflow_shm = (key, map_segment(*key))
-        self._rollflow_reload(read_buckets(self._rollflow_shm[1], decoded))
-        return decoded.total_bytes
+        return read_buckets(self._rollflow_shm[1], plan)
 
     def _rollflow_shm_close(self) -> None:
         if self._rollflow_shm is None:
@@ -255,8 +401,40 @@ class CopyRecorder(TorchFunctionMode):
             self.targets[at].append(args[0])
 
 
-LOADS = frozenset({"rollflow_load_safetensors", "rollflow_load_path", "rollflow_shm_load", "rollflow_gloo_receive"})
+LOADS = frozenset(
+    {
+        "rollflow_load_safetensors",
+        "rollflow_load_path",
+        "rollflow_shm_load",
+        "rollflow_gloo_receive",
+        "rollflow_commit_staged",
+    }
+)
 """The `WorkerExtension` methods that load weights, the ones `rollflow_update` may run."""
+
+STAGEABLE = frozenset({"rollflow_load_safetensors", "rollflow_shm_load"})
+"""The loads `rollflow_stage` can stage: their tensors are all at hand (views, or bytes read)."""
+
+_DIRTY = (
+    "the plain weights of some linear layers were written by a staged load that was not committed, "
+    "so only a load of the same names and shapes, or one that writes every linear weight, can "
+    "follow (this load would leave layers packed from those weights)"
+)
+
+_DISPATCH: list[Any] = [None]
+"""vLLM's own CPU linear dispatch (`dispatch_cpu_unquantized_gemm`), kept when `staged` wraps it."""
+
+
+def _in_order(weights: Any) -> list[tuple[str, Any]]:
+    """Incoming (name, tensor) pairs sorted by name: the same set of weights is one key, and one
+    copy plan, whatever order its source lays them out in (safetensors bytes and shm buckets
+    differ)."""
+    return sorted(weights, key=lambda item: item[0])
+
+
+def _key(items: list[tuple[str, Any]]) -> tuple[Any, ...]:
+    """What makes two loads alike: the names, dtypes and shapes of their tensors, in order."""
+    return tuple((name, tensor.dtype, tuple(tensor.shape)) for name, tensor in items)
 
 
 def rollflow_update(
@@ -310,6 +488,15 @@ def rollflow_update(
     return timings
 
 
+def rollflow_stage(self: Any, method: str, args: list[Any]) -> Future:
+    """Added to vLLM's `EngineCore`: the worker's `rollflow_stage`. The engine core answers the
+    call when the future is done and keeps stepping meanwhile."""
+    refused = rollflow_update_refused(self)
+    if refused:
+        raise RuntimeError(f"rollflow_stage: {refused}")
+    return self.collective_rpc("rollflow_stage", args=(method, list(args)))[0]
+
+
 def rollflow_update_refused(self: Any) -> str:
     """Why this engine core cannot run `rollflow_update` ("" when it can): one that steps
     asynchronously may have a step in flight while it takes a call."""
@@ -328,9 +515,19 @@ def _install() -> None:
         import vllm._custom_ops as ops
 
         ops._supports_onednn = False  # vLLM's CPU linear dispatch then keeps torch's weights
+    if LINEAR_LAYOUT == "staged":
+        from vllm.model_executor.layers import utils
+
+        dispatch = _DISPATCH[0] = utils.dispatch_cpu_unquantized_gemm
+
+        def keep_weight(layer: Any, remove_weight: bool) -> None:
+            dispatch(layer, remove_weight=False)  # the plain weight stays, for loads to write into
+
+        utils.dispatch_cpu_unquantized_gemm = keep_weight
     from vllm.v1.engine.core import EngineCore
 
     EngineCore.rollflow_update = rollflow_update  # type: ignore[attr-defined]
+    EngineCore.rollflow_stage = rollflow_stage  # type: ignore[attr-defined]
     EngineCore.rollflow_update_refused = rollflow_update_refused  # type: ignore[attr-defined]
 
 

@@ -1,0 +1,170 @@
+"""Staged weight loads for the CPU backend's `staged` linear layout (runs in the engine process).
+
+With `engine.linear_layout = "staged"` each linear layer keeps oneDNN's packed copy of its weight,
+which the model's forward reads, and also torch's plain tensor, which nothing reads while the
+engine generates. A load whose copies are known (the first load of the same names and shapes was
+watched, see `rollflow.engine.worker.CopyRecorder`) is then made in two parts:
+
+- the stage, on a thread while the engine keeps generating: each incoming tensor is copied into
+  the plain weight of its linear layer, or, where the forward reads the tensor itself (embeddings,
+  norms, biases, a layer with no packed copy), into a spare copy of that tensor's storage; then
+  every changed layer is packed again (oneDNN and torch's copies release Python's GIL);
+- the commit, one engine-core call between two model steps: the spare copies are copied into the
+  live tensors and each changed layer is given its new packed weight.
+
+This module does not decide when to stage or what a failure means; the worker does
+(`rollflow.engine.worker`).
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from rollflow import faults
+
+
+def holds_packed_copy(layer: Any) -> bool:
+    """Whether vLLM's CPU linear dispatch gave `layer` a weight of its own (a oneDNN handler or a
+    packed tensor) that its matrix products read instead of `layer.weight`. The fallback to
+    torch's linear, and any dispatch that keeps a view of `layer.weight`, read the weight live."""
+    import torch
+
+    cells = getattr(getattr(layer, "cpu_linear", None), "__closure__", None) or ()
+    held = [cell.cell_contents for cell in cells]
+    if not held:
+        return False
+    own = layer.weight.untyped_storage().data_ptr()
+    return not any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == own for v in held)
+
+
+def packed_layers(model: Any) -> list[Any]:
+    """The model's layers whose matrix products read a packed copy of their 2-D weight."""
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "cpu_linear") and getattr(m, "weight", None) is not None and m.weight.ndim == 2
+        if not m.weight.is_meta and holds_packed_copy(m)
+    ]
+
+
+def pack(layer: Any, source: Any, dispatch: Callable[..., None]) -> Callable[..., Any]:
+    """A new matrix-product function for `layer` packed from `source` (the layer is not changed):
+    vLLM's dispatch run on a stand-in holding only the weight, so it reads nothing else of the
+    layer and replaces nothing in it."""
+    stand_in = types.SimpleNamespace(weight=source)
+    dispatch(stand_in, remove_weight=False)
+    return stand_in.cpu_linear
+
+
+def _view(storage: Any, like: Any) -> Any:
+    """A tensor over `storage` with the dtype, offset, shape and strides of `like`."""
+    import torch
+
+    return torch.empty(0, dtype=like.dtype).set_(storage, like.storage_offset(), like.shape, like.stride())
+
+
+def _linear(layer: Any) -> bool:
+    """Whether `layer` is one of vLLM's linear layers, whose forward reads only the packed copy
+    (an embedding's weight is read by the lookup too, so it is staged in a spare copy)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return isinstance(layer, LinearBase)
+
+
+@dataclass
+class Staged:
+    """A staged load, ready to commit: what to copy into the live tensors, what to swap."""
+
+    live: list[tuple[Any, Any]]
+    """(live tensor, its spare copy) for each tensor the forward reads."""
+    packed: list[tuple[Any, Callable[..., Any]]]
+    """(layer, its new matrix-product function)."""
+
+    def commit(self) -> None:
+        for target, spare in self.live:
+            target.copy_(spare)
+        for layer, linear in self.packed:
+            layer.cpu_linear = linear
+
+
+class Cancelled(Exception):
+    """The stage was stopped before it finished (nothing live was changed)."""
+
+
+@dataclass
+class StagePlan:
+    """Where each incoming tensor of one set of names and shapes goes when staged."""
+
+    writes: list[list[Any]]
+    """Per incoming tensor: the plain linear weights or spare views the stage copies it into."""
+    live: list[tuple[Any, Any]]
+    """(live view, spare view) the commit copies, one per write into a tensor the forward reads."""
+    spares: list[tuple[Any, Any]]
+    """(live storage, spare storage), refreshed before each stage: a layer packed from a spare
+    must see the parts of it this load does not write as they are live."""
+    layers: list[tuple[Any, Any]]
+    """(layer, tensor to pack it from) for each packed layer this load writes into."""
+    covers_all: bool
+    """Whether the load writes every element of every plain linear weight."""
+
+    def stage(self, items: Iterable[tuple[str, Any]], dispatch: Callable[..., None], stop: threading.Event) -> Staged:
+        for live, spare in self.spares:
+            spare.copy_(live)
+        for (_, tensor), writes in zip(items, self.writes, strict=True):
+            if stop.is_set():
+                raise Cancelled
+            for target in writes:
+                target.copy_(tensor)
+        faults.point("stage")
+        packed = []
+        for layer, source in self.layers:
+            if stop.is_set():
+                raise Cancelled
+            packed.append((layer, pack(layer, source, dispatch)))
+        return Staged(live=self.live, packed=packed)
+
+
+def plan_stage(model: Any, targets: list[list[Any]]) -> StagePlan | None:
+    """A stage plan from the copies a watched load made (`targets[i]`: the model tensors the i-th
+    incoming tensor was copied into), or None when a target is in no parameter or buffer of
+    the model (then where the forward reads it is unknown, and the load is made whole)."""
+    layers = packed_layers(model)
+    cold = {m.weight.untyped_storage().data_ptr(): m.weight.numel() for m in layers if _linear(m)}
+    owned = {t.untyped_storage().data_ptr(): t for t in (*model.parameters(), *model.buffers())}
+    spares: dict[int, tuple[Any, Any]] = {}
+    writes: list[list[Any]] = []
+    live: list[tuple[Any, Any]] = []
+    written: dict[int, int] = {}
+    for copies in targets:
+        dests = []
+        for target in copies:
+            at = target.untyped_storage().data_ptr()
+            written[at] = written.get(at, 0) + target.numel()
+            if at in cold:
+                dests.append(target)
+                continue
+            if at not in owned:
+                return None
+            if at not in spares:
+                storage = target.untyped_storage()
+                spares[at] = (storage, storage.clone())
+            spare = _view(spares[at][1], target)
+            dests.append(spare)
+            live.append((target, spare))
+        writes.append(dests)
+    chosen = []
+    for m in layers:
+        at = m.weight.untyped_storage().data_ptr()
+        if at in written:
+            chosen.append((m, m.weight if at in cold else _view(spares[at][1], m.weight)))
+    return StagePlan(
+        writes=writes,
+        live=live,
+        spares=list(spares.values()),
+        layers=chosen,
+        covers_all=all(written.get(at, 0) >= numel for at, numel in cold.items()),
+    )
