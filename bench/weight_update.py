@@ -1,26 +1,30 @@
 """Weight update cost: each part of the engine's critical section beside a memcpy of the same bytes.
 
 For each model (the tiny one and SmolLM2-135M-Instruct) and each `engine.linear_layout`
-(`packed`, vLLM's default on CPU, and `plain`), a live vLLM engine generates a few requests
-while the trainer side stages a full set of weights in the default `shm` transport and
-publishes it, `--rounds` times; beside each update, a call to the engine core that does nothing
-(the floor any engine-core call pays). The engine reports the seconds of its one engine-core call
-(`update`: waiting for the model step in progress, then the load, the version label and the
-prefix-cache reset) and of each part. Beside it: a memcpy of the same bytes in this process,
-and the engine's generation speed in that layout (16 greedy requests), since the layout trades
-one against the other. Then the tiny preset trains synchronously (`max_lag = 0`) in each layout,
-and the share of its step wall time that is neither generating nor training is measured from its
-metrics.
+(`packed`, vLLM's own; `plain`; `staged`), a live vLLM engine generates a few requests while the
+trainer side stages a full set of weights in the default `shm` transport and publishes it,
+`--rounds` times; beside each update, a call to the engine core that does nothing (the floor any
+engine-core call pays). The engine reports the seconds of its one engine-core call (`update`:
+waiting for the model step in progress, then the load, the version label and the prefix-cache
+reset) and of each part; with `staged`, also the seconds the load was staged before that call
+while the engine kept generating (`stage`). Beside it: a memcpy of the same bytes in this
+process (the ratio: the engine-core call, the critical section in which no model step runs, over
+the memcpy), and the engine's generation speed in that layout (16 greedy requests), alone and
+while the trainer side publishes back to back (`updating`: tokens streamed in 15 s), since the
+layout trades one against the other. Then the tiny preset trains synchronously (`max_lag = 0`)
+in `packed` and `plain`, and the share of its step wall time that is neither generating nor
+training is measured from its metrics.
 
 Prints a table of median milliseconds and, last, `RESULT update_vs_memcpy_tiny=X
-update_vs_memcpy_smollm2=Y update_vs_memcpy_smollm2_plain=P update_ms_tiny=T idle_noop_ms_tiny=I
-sync_overhead_frac=Z sync_step_packed_vs_plain=R` (each model in the layout its preset uses: tiny
-plain, SmolLM2 packed; and SmolLM2 plain; I: the do-nothing engine-core call to the idle tiny
-engine, vLLM's IPC alone; Z in the tiny preset's layout; R: the synchronous step's time in
-`packed` over `plain`).
+update_vs_memcpy_smollm2=Y update_vs_memcpy_smollm2_packed=K update_vs_memcpy_smollm2_plain=P
+update_ms_tiny=T idle_noop_ms_tiny=I sync_overhead_frac=Z sync_step_packed_vs_plain=R` (each model
+in the layout its preset uses: tiny plain, SmolLM2 staged; and SmolLM2's others; I: the
+do-nothing engine-core call to the idle tiny engine, vLLM's IPC alone; Z in the tiny preset's
+layout; R: the synchronous step's time in `packed` over `plain`; `--sync-runs 0` leaves Z and R
+out).
 
     bin/dev python bench/weight_update.py [--rounds 8] [--models tiny,smollm2-135m-instruct] [--steps 12]
-        [--sync-runs 3]
+        [--sync-runs 3] [--layouts packed,plain,staged]
 """
 
 from __future__ import annotations
@@ -33,14 +37,18 @@ import tempfile
 import time
 from pathlib import Path
 
-PARTS = ("noop call", "update", "load", "label", "reset prefix cache")
+PARTS = ("noop call", "stage", "update", "load", "label", "reset prefix cache")
 """`noop call`: a call to the engine core that does nothing (vLLM's `get_weight_version`), the
-round trip any engine-core call pays, waiting for the model step in progress included."""
+round trip any engine-core call pays, waiting for the model step in progress included. `stage`:
+the `staged` layout's load and packing on a thread of the engine process, before the call."""
 IDLE = "idle noop"
 """The same call to an idle engine (no request running), median of 30: vLLM's IPC alone."""
-LAYOUTS = ("packed", "plain")
+LAYOUTS = ("packed", "plain", "staged")
+SYNC_LAYOUTS = ("packed", "plain")
+WINDOW_S = 15.0
+"""Seconds of generation counted while the trainer side publishes back to back."""
 PRESET_LAYOUT = {"tiny": "plain"}
-"""The layout each model's preset uses (others: vLLM's default, packed)."""
+"""The layout each model's preset uses (others: the default, staged)."""
 
 
 def memcpy_s(nbytes: int, rounds: int = 7) -> float:
@@ -68,6 +76,27 @@ async def tokens_per_s(engine, requests: int = 16, max_tokens: int = 64) -> floa
         )
         rates.append(sum(len(out.token_ids) for out in outs) / (time.perf_counter() - began))
     return max(rates[1:])
+
+
+async def tokens_in_window(engine, seconds: float, requests: int = 16, max_tokens: int = 64) -> float:
+    """Tokens/s that `requests` greedy streams, each restarted when it ends, get in `seconds`."""
+    from rollflow.records import SamplingSpec
+
+    spec = SamplingSpec(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    count = 0
+
+    async def stream(i: int) -> None:
+        nonlocal count
+        for k in range(10**9):
+            async for out in engine.stream(f"window{i}-{k}", [1, 100 + i, 202, 276], spec):
+                count += len(out.token_ids)
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(requests)]
+    await asyncio.sleep(seconds)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return count / seconds
 
 
 async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[str, float]:
@@ -122,6 +151,25 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
             parts["noop call"][-1] = noop
             parts["total"].append(total)
             await asyncio.sleep(0.2)
+        for task in busy:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*busy, return_exceptions=True)
+        # Generation speed while the trainer side publishes back to back: what updates cost the
+        # engine, wherever they run (a layout that stages competes for the cores instead).
+        stop = asyncio.Event()
+
+        async def updating() -> None:
+            while not stop.is_set():
+                await transport.stage(plan, weights.items())
+                await publish(engine, transport, plan)
+
+        publishing = asyncio.create_task(updating())
+        try:
+            speed_updating = await tokens_in_window(engine, WINDOW_S)
+        finally:
+            stop.set()
+            await publishing
     finally:
         for task in busy:
             task.cancel()
@@ -132,6 +180,7 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
     out = {name: statistics.median(values[1:]) for name, values in parts.items()}  # the first warms up
     out["bytes"] = float(plan.total_bytes)
     out["tokens/s"] = speed
+    out["tokens/s updating"] = speed_updating
     out[IDLE] = statistics.median(idle)
     return out
 
@@ -168,48 +217,51 @@ async def synchronous(steps: int, layout: str) -> dict[str, float]:
 async def main(args: argparse.Namespace) -> None:
     rows = {}
     for model in args.models.split(","):
-        for layout in LAYOUTS:
+        for layout in args.layouts.split(","):
             row = await updates(model, layout, args.rounds, args.requests)
             row["memcpy"] = memcpy_s(int(row["bytes"]))
             rows[(model, layout)] = row
-    runs: dict[str, list[dict[str, float]]] = {layout: [] for layout in LAYOUTS}
+    runs: dict[str, list[dict[str, float]]] = {layout: [] for layout in SYNC_LAYOUTS}
     for _ in range(args.sync_runs):  # alternating, so a slow minute of the machine hits both
-        for layout in LAYOUTS:
+        for layout in SYNC_LAYOUTS:
             runs[layout].append(await synchronous(args.steps, layout))
     sync = {
-        layout: {name: statistics.median(r[name] for r in rs) for name in rs[0]} for layout, rs in runs.items()
+        layout: {name: statistics.median(r[name] for r in rs) for name in rs[0]} for layout, rs in runs.items() if rs
     }
     print(f"median ms over {args.rounds} updates, {args.requests} requests generating; update = the one engine call")
     columns = (IDLE, *PARTS, "total", "memcpy")
     print(
         f"{'model':<24}{'layout':>8}{'MB':>8}"
         + "".join(f"{name:>20}" for name in columns)
-        + f"{'ratio':>8}{'tokens/s':>10}"
+        + f"{'ratio':>8}{'tokens/s':>10}{'updating':>10}"
     )
     for (model, layout), r in rows.items():
         print(
             f"{model:<24}{layout:>8}{r['bytes'] / 2**20:>8.1f}"
             + "".join(f"{r[name] * 1e3:>20.2f}" for name in columns)
-            + f"{r['total'] / r['memcpy']:>8.1f}{r['tokens/s']:>10.0f}"
+            + f"{r['update'] / r['memcpy']:>8.1f}{r['tokens/s']:>10.0f}{r['tokens/s updating']:>10.0f}"
         )
     parts = []
     for (model, layout), r in rows.items():
         short = model.split("-")[0]
-        if layout == PRESET_LAYOUT.get(model, "packed"):
-            parts.append(f"update_vs_memcpy_{short}={r['total'] / r['memcpy']:.1f}")
+        if layout == PRESET_LAYOUT.get(model, "staged"):
+            parts.append(f"update_vs_memcpy_{short}={r['update'] / r['memcpy']:.1f}")
         elif model != "tiny":
-            parts.append(f"update_vs_memcpy_{short}_{layout}={r['total'] / r['memcpy']:.1f}")
+            parts.append(f"update_vs_memcpy_{short}_{layout}={r['update'] / r['memcpy']:.1f}")
     if ("tiny", "plain") in rows:
         tiny = rows[("tiny", "plain")]
         parts.append(f"update_ms_tiny={tiny['total'] * 1e3:.1f} idle_noop_ms_tiny={tiny[IDLE] * 1e3:.1f}")
-    print(f"synchronous tiny preset, {args.steps - 1} steady steps, median of {args.sync_runs} runs, ms a step:")
-    print(f"{'layout':<10}" + "".join(f"{name:>10}" for name in ("step", "generate", "train", "update")) + "  overhead")
-    for layout, r in sync.items():
-        print(f"{layout:<10}" + "".join(f"{r[name] * 1e3:>10.1f}" for name in ("step", "generate", "train", "update"))
-              + f"  {r['overhead_frac']:.3f}")
-    frac = sync[PRESET_LAYOUT["tiny"]]["overhead_frac"]
-    ratio = sync["packed"]["step"] / sync["plain"]["step"]
-    print("RESULT " + " ".join(parts) + f" sync_overhead_frac={frac:.3f} sync_step_packed_vs_plain={ratio:.2f}")
+    if sync:  # --sync-runs 0 leaves it out
+        print(f"synchronous tiny preset, {args.steps - 1} steady steps, median of {args.sync_runs} runs, ms a step:")
+        names = ("step", "generate", "train", "update")
+        print(f"{'layout':<10}" + "".join(f"{name:>10}" for name in names) + "  overhead")
+        for layout, r in sync.items():
+            row = "".join(f"{r[name] * 1e3:>10.1f}" for name in names)
+            print(f"{layout:<10}{row}  {r['overhead_frac']:.3f}")
+        frac = sync[PRESET_LAYOUT["tiny"]]["overhead_frac"]
+        ratio = sync["packed"]["step"] / sync["plain"]["step"]
+        parts.append(f"sync_overhead_frac={frac:.3f} sync_step_packed_vs_plain={ratio:.2f}")
+    print("RESULT " + " ".join(parts))
 
 
 if __name__ == "__main__":
@@ -217,6 +269,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--models", default="tiny,smollm2-135m-instruct")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--steps", type=int, default=12, help="steps of the synchronous tiny run")
     parser.add_argument("--sync-runs", type=int, default=3, help="synchronous runs per layout, alternating")
     asyncio.run(main(parser.parse_args()))

@@ -92,7 +92,8 @@ class VLLMEngine(AdapterSync):
         self.last_update_s: dict[str, float] = {}
         """Seconds of each stage of the last successful weight update: `update` (the one
         engine-core call, waiting for the step in progress included) and its parts `load`,
-        `label`, `reset prefix cache`; or, in stages, `pause`, `load`, ..., `resume`."""
+        `label`, `reset prefix cache`, with `stage` before it when the load was staged while the
+        engine generated; or, in stages, `pause`, `load`, ..., `resume`."""
         self.one_call_updates = False
         """Whether a `WorkerCall` load runs as one engine-core call (found out at start)."""
         self.stages_updates = False
