@@ -59,6 +59,7 @@ def model_b() -> HFReference:
 
 @pytest.fixture(scope="session")
 async def engine():
+    """An engine in the default linear layout (`staged`)."""
     eng = VLLMEngine(
         tiny_model_path(0),
         EngineConfig(kv_cache_bytes=128 * 1024 * 1024, max_model_len=512, max_num_seqs=16),
@@ -74,19 +75,6 @@ async def plain_engine():
     eng = VLLMEngine(
         tiny_model_path(0),
         EngineConfig(kv_cache_bytes=64 * 1024 * 1024, max_model_len=512, max_num_seqs=8, linear_layout="plain"),
-    )
-    await eng.start()
-    yield eng
-    await eng.aclose()
-
-
-@pytest.fixture(scope="session")
-async def staged_engine():
-    """An engine whose linear layers keep oneDNN's packed copy and torch's weights
-    (`engine.linear_layout = "staged"`)."""
-    eng = VLLMEngine(
-        tiny_model_path(0),
-        EngineConfig(kv_cache_bytes=64 * 1024 * 1024, max_model_len=512, max_num_seqs=8, linear_layout="staged"),
     )
     await eng.start()
     yield eng
