@@ -93,10 +93,15 @@ async def tokens_in_window(engine, seconds: float, requests: int = 16, max_token
 
     tasks = [asyncio.create_task(stream(i)) for i in range(requests)]
     await asyncio.sleep(seconds)
+    await cancelled(tasks)
+    return count / seconds
+
+
+async def cancelled(tasks: list[asyncio.Task]) -> None:
+    """Cancel `tasks` and wait until they have ended (their requests aborted)."""
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return count / seconds
 
 
 async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[str, float]:
@@ -151,10 +156,7 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
             parts["noop call"][-1] = noop
             parts["total"].append(total)
             await asyncio.sleep(0.2)
-        for task in busy:
-            task.cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.gather(*busy, return_exceptions=True)
+        await cancelled(busy)
         # Generation speed while the trainer side publishes back to back: what updates cost the
         # engine, wherever they run (a layout that stages competes for the cores instead).
         stop = asyncio.Event()
@@ -171,10 +173,8 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
             stop.set()
             await publishing
     finally:
-        for task in busy:
-            task.cancel()
         with contextlib.suppress(BaseException):
-            await asyncio.gather(*busy, return_exceptions=True)
+            await cancelled(busy)
         await transport.aclose()
         await engine.aclose()
     out = {name: statistics.median(values[1:]) for name, values in parts.items()}  # the first warms up

@@ -51,6 +51,12 @@ def packed_layers(model: Any) -> list[Any]:
     ]
 
 
+def written_layers(layers: list[Any], targets: list[list[Any]]) -> list[Any]:
+    """Those of `layers` whose weight a load with these copies writes into (to pack again)."""
+    written = {target.untyped_storage().data_ptr() for copies in targets for target in copies}
+    return [m for m in layers if m.weight.untyped_storage().data_ptr() in written]
+
+
 def pack(layer: Any, source: Any, dispatch: Callable[..., None]) -> Callable[..., Any]:
     """A new matrix-product function for `layer` packed from `source` (the layer is not changed):
     vLLM's dispatch run on a stand-in holding only the weight, so it reads nothing else of the
@@ -157,10 +163,9 @@ def plan_stage(model: Any, targets: list[list[Any]]) -> StagePlan | None:
             live.append((target, spare))
         writes.append(dests)
     chosen = []
-    for m in layers:
+    for m in written_layers(layers, targets):
         at = m.weight.untyped_storage().data_ptr()
-        if at in written:
-            chosen.append((m, m.weight if at in cold else _view(spares[at][1], m.weight)))
+        chosen.append((m, m.weight if at in cold else _view(spares[at][1], m.weight)))
     return StagePlan(
         writes=writes,
         live=live,

@@ -333,6 +333,7 @@ class VLLMEngine(AdapterSync):
         # Mandatory prefix-cache reset: else prompts longer than a block reuse KV from old weights.
         # In keep mode, running requests' KV is also recomputed under the new ones.
         recompute = keep and not self.config.keep_kv_on_update
+        deadline = deadline_s if deadline_s is not None else self.config.update_deadline_s
 
         def guarded(run: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[object]]:
             return lambda: self._unless_dead(run())
@@ -345,7 +346,7 @@ class VLLMEngine(AdapterSync):
             one_call = call is not None
             if call is not None and self.stages_updates:
                 began = time.perf_counter()
-                if await self._stage(call, deadline_s if deadline_s is not None else self.config.update_deadline_s):
+                if await self._stage(call, deadline):
                     call = WorkerCall("rollflow_commit_staged")
                     parts["stage"] = time.perf_counter() - began
             if call is not None:
@@ -379,7 +380,7 @@ class VLLMEngine(AdapterSync):
                 f"vLLM engine for {self.model_path}",
                 self._version,
                 stages,
-                deadline_s=deadline_s if deadline_s is not None else self.config.update_deadline_s,
+                deadline_s=deadline,
                 resume=_never_paused if one_call else self.resume,
                 can_resume=lambda: self._llm is not None and not llm.errored,
                 dead=lambda err: self._dead(err) if isinstance(err, VLLMDead) else None,

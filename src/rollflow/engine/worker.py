@@ -85,26 +85,25 @@ class WorkerExtension:
     def _rollflow_load_and_pack(self, weights, *, streamed: bool) -> None:
         """`staged` layout, a whole load in the critical section: into the plain weights in place,
         then each changed packed layer packed again from its weight."""
-        from rollflow.engine.staging import pack, packed_layers
+        from rollflow.engine.staging import pack, packed_layers, written_layers
 
         model = self.model_runner.model  # type: ignore[attr-defined]
+        layers = packed_layers(model)
         if streamed:
             if self._rollflow_dirty is not None:
                 raise RuntimeError(_DIRTY)
             self._rollflow_touched = True
             model.load_weights(weights)
-            layers = packed_layers(model)
         else:
             items = _in_order(weights)
             key = _key(items)
-            if self._rollflow_dirty not in (None, key):
-                plan = self._rollflow_plan(key)
-                if plan is None or not plan.covers_all:
-                    raise RuntimeError(_DIRTY)
+            if self._rollflow_refuses(key):
+                raise RuntimeError(_DIRTY)
             self._rollflow_touched = True
             self._rollflow_copy_in_place(items)
-            plan = self._rollflow_plan(key)
-            layers = [layer for layer, _ in plan.layers] if plan is not None else packed_layers(model)
+            copies = (self._rollflow_copies or {}).get(key)
+            if copies is not None:  # the stage plan (and its spare copies) is made on the stage thread
+                layers = written_layers(layers, copies)
         for layer in layers:
             layer.cpu_linear = pack(layer, layer.weight, _DISPATCH[0])
         self._rollflow_dirty = None
@@ -122,6 +121,14 @@ class WorkerExtension:
         if key not in self._rollflow_plans:
             self._rollflow_plans[key] = plan_stage(self.model_runner.model, copies)  # type: ignore[attr-defined]
         return self._rollflow_plans[key]
+
+    def _rollflow_refuses(self, key) -> bool:
+        """Whether a load of `key` must be refused: a staged load that was not committed wrote
+        plain linear weights (`_rollflow_dirty`) that this load would not all rewrite."""
+        if self._rollflow_dirty in (None, key):
+            return False
+        plan = self._rollflow_plan(key)
+        return plan is None or not plan.covers_all
 
     def rollflow_stages_updates(self) -> bool:
         """Whether a repeated load can be staged while the engine generates: the `staged` layout
@@ -151,7 +158,7 @@ class WorkerExtension:
                 items = _in_order(self._rollflow_incoming(method, args))
                 key = _key(items)
                 plan = self._rollflow_plan(key)
-                if plan is None or (self._rollflow_dirty not in (None, key) and not plan.covers_all):
+                if plan is None or self._rollflow_refuses(key):
                     answer.set_result(False)
                     return
                 self._rollflow_dirty = key
@@ -191,7 +198,7 @@ class WorkerExtension:
     def _rollflow_incoming(self, method: str, args: list[Any]) -> Any:
         """The (name, tensor) pairs a stageable load `method(*args)` would load."""
         if method == "rollflow_shm_load":
-            return self._rollflow_shm_views(*args)
+            return self._rollflow_shm_views(args[0], _decode_plan(args[1]))
         from safetensors.torch import load
 
         return load(args[0]).items()
@@ -301,24 +308,14 @@ class WorkerExtension:
         The mapping stays open for the next load from the same segment (the sender rewrites it
         in place between loads), so a load neither maps nor unmaps, and nothing waits for the
         views to be collected; a segment of another name or size replaces it."""
-        import base64
-
-        from rollflow.weight_sync.buckets import BucketPlan
-
-        decoded = BucketPlan.decode(base64.b64decode(plan) if isinstance(plan, str) else plan)
+        decoded = _decode_plan(plan)
         self._rollflow_reload(self._rollflow_shm_views(name, decoded))
         return decoded.total_bytes
 
     def _rollflow_shm_views(self, name: str, plan: Any) -> Any:
-        """The (name, view) pairs of the segment `name`, as `plan` (a `BucketPlan`, its bytes or
-        their base64 text) lays it out."""
-        import base64
-
-        from rollflow.weight_sync.buckets import BucketPlan
+        """The (name, view) pairs of the segment `name`, as the `BucketPlan` lays it out."""
         from rollflow.weight_sync.shm import map_segment, read_buckets
 
-        if not isinstance(plan, BucketPlan):
-            plan = BucketPlan.decode(base64.b64decode(plan) if isinstance(plan, str) else plan)
         key = (name, max(plan.total_bytes, 1))
         if self._rollflow_shm is None or self._rollflow_shm[0] != key:
             self._rollflow_shm_close()
@@ -423,6 +420,15 @@ _DIRTY = (
 
 _DISPATCH: list[Any] = [None]
 """vLLM's own CPU linear dispatch (`dispatch_cpu_unquantized_gemm`), kept when `staged` wraps it."""
+
+
+def _decode_plan(plan: bytes | str) -> Any:
+    """A `BucketPlan` from its bytes, or their base64 text (what `/collective_rpc` carries)."""
+    import base64
+
+    from rollflow.weight_sync.buckets import BucketPlan
+
+    return BucketPlan.decode(base64.b64decode(plan) if isinstance(plan, str) else plan)
 
 
 def _in_order(weights: Any) -> list[tuple[str, Any]]:
