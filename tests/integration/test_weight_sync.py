@@ -211,6 +211,9 @@ async def test_dead_or_stalled_sender_fails_within_deadline_and_engine_keeps_old
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     try:
+        # Join only once the sender listens: its start (imports, weights) can outlast the join's
+        # 10 s on a loaded machine, and that timeout is also the group's, which bounds the stall.
+        assert (await asyncio.to_thread(sender.stdout.readline)).startswith("listening")
         await engine.rpc("rollflow_gloo_join", "127.0.0.1", port, 10.0)
         began = time.monotonic()
         update = await _start_receiving(engine, port)

@@ -3,9 +3,9 @@
     python weight_sender.py slow PORT BUCKET_BYTES DELAY_S STOP_AFTER   # tiny model B, bucket by bucket
     torchrun --nproc-per-node 2 weight_sender.py fsdp PORT OUT_FILE BATCH_FILE
 
-`slow` serves the gloo rendezvous on PORT, sends the plan and then buckets with a pause
-between them and goes silent after STOP_AFTER buckets, so a test can kill or stall it
-mid-transfer. `fsdp` runs two FSDP2 trainer ranks that take one step; all ranks gather full
+`slow` serves the gloo rendezvous on PORT (it prints `listening` once it does), sends the plan
+and then buckets with a pause between them and goes silent after STOP_AFTER buckets, so a test
+can kill or stall it mid-transfer. `fsdp` runs two FSDP2 trainer ranks that take one step; all ranks gather full
 weights in lockstep and rank 0 sends them, then saves them.
 """
 
@@ -27,6 +27,7 @@ def slow(port: int, bucket_bytes: int, delay: float, stop_after: int) -> None:
     weights = load_file(tiny_model_path(1) / "model.safetensors")
     plan = plan_buckets(((n, t.dtype, tuple(t.shape)) for n, t in weights.items()), bucket_bytes)
     sender = GlooSender("127.0.0.1", port, timeout_s=10)
+    print("listening", flush=True)  # the engine may join from now on
     sender.connect()
     print(f"connected buckets={len(plan.bucket_sizes)}", flush=True)
     encoded = torch.frombuffer(bytearray(plan.encode()), dtype=torch.uint8)
