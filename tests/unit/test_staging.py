@@ -1,5 +1,6 @@
 """The `staged` layout's plan: which incoming tensors a stage may write where the model reads
-them, which go to spare copies, what the commit changes. A stand-in model (the real engine is
+them, which go to spare copies, what the commit changes; the `Stager` that runs a stage on a
+thread and refuses loads after one that was not committed. A stand-in model (the real engine is
 tested in tests/integration/test_weight_sync.py and test_update_failure.py)."""
 
 from __future__ import annotations
@@ -114,3 +115,63 @@ def test_a_stopped_stage_raises_and_changes_nothing_live(model):
     with pytest.raises(staging.Cancelled):
         plan.stage([("embed", torch.randn(8, 4)), ("proj", torch.randn(4, 4))], dispatch, stop)
     assert torch.equal(model.embed, embed)
+
+
+def new_weights() -> list[tuple[str, torch.Tensor]]:
+    return [("embed", torch.randn(8, 4)), ("proj", torch.randn(4, 4))]
+
+
+@pytest.fixture
+def stager(model) -> staging.Stager:
+    copies = {
+        "whole": [[model.embed], [model.proj.weight]],
+        "part": [[model.proj.weight[:2]]],
+        "norm": [[model.norm]],
+    }
+    return staging.Stager(model, copies, dispatch)
+
+
+def test_the_stager_stages_on_a_thread_and_the_commit_makes_it_live(model, stager):
+    items = new_weights()
+    assert stager.start(lambda: ("whole", items)).result(timeout=30) is True
+    assert not torch.equal(model.embed, items[0][1])  # staged, not live
+    staged = stager.take()
+    staged.commit()
+    stager.loaded()
+    assert torch.equal(model.embed, items[0][1])
+    x = torch.randn(3, 4)
+    assert torch.equal(model.proj.cpu_linear(x, None, None), x @ items[1][1].T)
+    with pytest.raises(RuntimeError, match="nothing is staged"):
+        stager.take()
+
+
+def test_the_stager_answers_false_for_a_load_it_has_no_plan_for(stager):
+    assert stager.start(lambda: ("never watched", new_weights())).result(timeout=30) is False
+    with pytest.raises(RuntimeError, match="nothing is staged"):
+        stager.take()
+
+
+def test_a_stopped_stager_drops_what_it_staged(stager):
+    assert stager.start(lambda: ("whole", new_weights())).result(timeout=30) is True
+    stager.stop()  # a whole load comes next: this stage must not be committed after it
+    with pytest.raises(RuntimeError, match="nothing is staged"):
+        stager.take()
+
+
+def test_after_a_stage_that_failed_only_loads_rewriting_its_plain_weights_may_follow(model, stager):
+    # The stage writes the linear layer's plain weight, then fails on the embedding's spare.
+    failing = [("embed", torch.randn(3, 3)), ("proj", torch.randn(4, 4))]
+    stager.copies["whole"] = [[model.proj.weight], [model.embed]]
+    with pytest.raises(RuntimeError):
+        stager.start(lambda: ("whole", failing[::-1])).result(timeout=30)
+    assert stager.dirty == "whole"
+    assert not stager.refuses("whole")  # the same load, made whole, rewrites what it wrote
+    assert stager.refuses("part")  # would leave half of that weight out of step with its packed copy
+    assert stager.refuses("norm")  # writes no linear weight at all: refused too
+    assert stager.refuses("never watched")  # no plan: what it writes is not known
+    # A stage of a refused load answers False and writes nothing.
+    proj = model.proj.weight.clone()
+    assert stager.start(lambda: ("part", [("proj", torch.randn(2, 4))])).result(timeout=30) is False
+    assert torch.equal(model.proj.weight, proj)
+    stager.loaded()  # a whole load rewrote them
+    assert not stager.refuses("part")

@@ -12,7 +12,8 @@ watched, see `rollflow.engine.worker.CopyRecorder`) is then made in two parts:
 - the commit, one engine-core call between two model steps: the spare copies are copied into the
   live tensors and each changed layer is given its new packed weight.
 
-This module does not decide when to stage or what a failure means; the worker does
+`Stager` holds one worker's staging state (plans, the stage thread, the staged load, the key of
+a stage that was not committed); the worker decides when to stage and what a failure means
 (`rollflow.engine.worker`).
 """
 
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,3 +175,94 @@ def plan_stage(model: Any, targets: list[list[Any]]) -> StagePlan | None:
         layers=chosen,
         covers_all=all(written.get(at, 0) >= numel for at, numel in cold.items()),
     )
+
+
+Keyed = tuple[Hashable, list[tuple[str, Any]]]
+"""A load's key (what makes two loads alike) and its incoming (name, tensor) pairs, in order."""
+
+
+class Stager:
+    """One worker's staging: a stage plan per key of the watched loads (`copies`: the model
+    tensors each incoming tensor of a key's first load was copied into, kept by the worker), at
+    most one stage thread, the load it staged, and the key of a stage that wrote plain linear
+    weights and was not committed (`dirty`).
+
+    Until a load rewrites them, those plain weights no longer match their layers' packed copies,
+    so while `dirty` is set only a load of the same key, or one that writes every plain linear
+    weight, may follow (`refuses`)."""
+
+    def __init__(self, model: Any, copies: dict[Hashable, list[list[Any]]], dispatch: Callable[..., None]) -> None:
+        self.model = model
+        self.copies = copies
+        self.dispatch = dispatch
+        self.plans: dict[Hashable, StagePlan | None] = {}
+        self.dirty: Hashable | None = None
+        self._thread: tuple[threading.Thread, threading.Event] | None = None
+        self._staged: Staged | None = None
+
+    def plan(self, key: Hashable) -> StagePlan | None:
+        """The stage plan of a watched load's key (None: no replayable copies, or not stageable)."""
+        if key not in self.copies:
+            return None
+        if key not in self.plans:
+            self.plans[key] = plan_stage(self.model, self.copies[key])
+        return self.plans[key]
+
+    def refuses(self, key: Hashable) -> bool:
+        """Whether a load of `key` must be refused: the plain weights a stage that was not
+        committed wrote (`dirty`) would not all be rewritten by it."""
+        if self.dirty in (None, key):
+            return False
+        plan = self.plan(key)
+        return plan is None or not plan.covers_all
+
+    def start(self, incoming: Callable[[], Keyed]) -> Future:
+        """Stage the load `incoming()` returns on a thread. The future answers True when it is
+        staged (then `take` it), False when it cannot be (no plan for its key, refused, or
+        stopped), or the error that ended it. Nothing a model step reads changes."""
+        self.stop()
+        answer: Future = Future()
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                key, items = incoming()
+                plan = self.plan(key)
+                if plan is None or self.refuses(key):
+                    answer.set_result(False)
+                    return
+                self.dirty = key
+                self._staged = plan.stage(items, self.dispatch, stop)
+                answer.set_result(True)
+            except Cancelled:
+                answer.set_result(False)
+            except BaseException as err:
+                answer.set_exception(err)
+
+        thread = threading.Thread(target=run, name="rollflow-stage", daemon=True)
+        self._thread = (thread, stop)
+        thread.start()
+        return answer
+
+    def stop(self) -> None:
+        """Stop the stage thread, if one runs, wait for it (at most one tensor's copy), and drop
+        what it staged: a load made after it must not be followed by that one's commit."""
+        if self._thread is not None:
+            thread, stop = self._thread
+            stop.set()
+            thread.join()
+            self._thread = None
+        self._staged = None
+
+    def take(self) -> Staged:
+        """The staged load, to commit (then call `loaded`); an error if nothing is staged."""
+        staged, self._staged = self._staged, None
+        if staged is None or self._thread is None:
+            raise RuntimeError("nothing is staged (rollflow_stage first)")
+        self._thread[0].join()  # it has answered; let it end
+        self._thread = None
+        return staged
+
+    def loaded(self) -> None:
+        """A load made every plain weight it wrote match its packed copy again."""
+        self.dirty = None

@@ -55,21 +55,15 @@ class WorkerExtension:
     _rollflow_copies: dict[Any, list[list[Any]]] | None = None
     """Per set of incoming names, dtypes and shapes: the model tensors each one is copied into."""
 
-    _rollflow_plans: dict[Any, Any] | None = None
-    """`staged` layout: per key of `_rollflow_copies`, its `StagePlan` (None: not stageable)."""
-    _rollflow_stage: tuple[threading.Thread, threading.Event] | None = None
-    """The stage thread of the last `rollflow_stage` and the event that stops it."""
-    _rollflow_staged: Any = None
-    """The `Staged` load that `rollflow_commit_staged` commits."""
-    _rollflow_dirty: Any = None
-    """`staged` layout: the key of a staged load that wrote plain linear weights and was not
-    committed; their packed copies then no longer match them until a load rewrites them."""
+    _rollflow_stager: Any = None
+    """`staged` layout: the `rollflow.engine.staging.Stager` (plans, stage thread, staged load)."""
 
     def _rollflow_reload(self, weights, *, streamed: bool = False) -> None:
         """Load `(name, tensor)` pairs into the model. `streamed`: each tensor is read from a
         file as it comes, so the in-place path hands them to the model's loader one at a time
         (holding them all to replay the first load's copies would hold the whole model)."""
-        self._rollflow_stop_stage()
+        if self._rollflow_stager is not None:
+            self._rollflow_stager.stop()
         if self.rollflow_stages_updates():
             self._rollflow_load_and_pack(weights, streamed=streamed)
             return
@@ -79,7 +73,7 @@ class WorkerExtension:
         elif streamed:
             self.model_runner.model.load_weights(weights)  # type: ignore[attr-defined]
         else:
-            self._rollflow_copy_in_place(weights)
+            self._rollflow_copy_in_place(_keyed(weights))
         self._rollflow_touched = False
 
     def _rollflow_load_and_pack(self, weights, *, streamed: bool) -> None:
@@ -87,48 +81,36 @@ class WorkerExtension:
         then each changed packed layer packed again from its weight."""
         from rollflow.engine.staging import pack, packed_layers, written_layers
 
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        layers = packed_layers(model)
+        stager = self._rollflow_staging()
+        layers = packed_layers(stager.model)
         if streamed:
-            if self._rollflow_dirty is not None:
+            if stager.dirty is not None:  # a file's tensors are not known before they are loaded
                 raise RuntimeError(_DIRTY)
             self._rollflow_touched = True
-            model.load_weights(weights)
+            stager.model.load_weights(weights)
         else:
-            items = _in_order(weights)
-            key = _key(items)
-            if self._rollflow_refuses(key):
+            key, items = _keyed(weights)
+            if stager.refuses(key):
                 raise RuntimeError(_DIRTY)
             self._rollflow_touched = True
-            self._rollflow_copy_in_place(items)
-            copies = (self._rollflow_copies or {}).get(key)
-            if copies is not None:  # the stage plan (and its spare copies) is made on the stage thread
-                layers = written_layers(layers, copies)
+            self._rollflow_copy_in_place((key, items))
+            if key in stager.copies:  # the stage plan (and its spare copies) is made on the stage thread
+                layers = written_layers(layers, stager.copies[key])
         for layer in layers:
             layer.cpu_linear = pack(layer, layer.weight, _DISPATCH[0])
-        self._rollflow_dirty = None
+        stager.loaded()
         self._rollflow_touched = False
 
-    def _rollflow_plan(self, key) -> Any:
-        """The stage plan of a watched load's key (None: no replayable copies, or not stageable)."""
-        from rollflow.engine.staging import plan_stage
+    def _rollflow_staging(self) -> Any:
+        """The `staged` layout's `Stager`, made at the first load (it shares the watched copies)."""
+        if self._rollflow_stager is None:
+            from rollflow.engine.staging import Stager
 
-        copies = (self._rollflow_copies or {}).get(key)
-        if copies is None:
-            return None
-        if self._rollflow_plans is None:
-            self._rollflow_plans = {}
-        if key not in self._rollflow_plans:
-            self._rollflow_plans[key] = plan_stage(self.model_runner.model, copies)  # type: ignore[attr-defined]
-        return self._rollflow_plans[key]
-
-    def _rollflow_refuses(self, key) -> bool:
-        """Whether a load of `key` must be refused: a staged load that was not committed wrote
-        plain linear weights (`_rollflow_dirty`) that this load would not all rewrite."""
-        if self._rollflow_dirty in (None, key):
-            return False
-        plan = self._rollflow_plan(key)
-        return plan is None or not plan.covers_all
+            if self._rollflow_copies is None:
+                self._rollflow_copies = {}
+            model = self.model_runner.model  # type: ignore[attr-defined]
+            self._rollflow_stager = Stager(model, self._rollflow_copies, _DISPATCH[0])
+        return self._rollflow_stager
 
     def rollflow_stages_updates(self) -> bool:
         """Whether a repeated load can be staged while the engine generates: the `staged` layout
@@ -143,55 +125,21 @@ class WorkerExtension:
         staged (commit it with `rollflow_commit_staged`), False when this load cannot be staged
         (not the `staged` layout, a load from files, or the first load of these names and
         shapes: make it whole), or the error that stopped it. Nothing the forward reads changes."""
-        from rollflow.engine.staging import Cancelled
-
-        self._rollflow_stop_stage()
-        self._rollflow_staged = None
-        answer: Future = Future()
         if not self.rollflow_stages_updates() or method not in STAGEABLE:
+            if self._rollflow_stager is not None:
+                self._rollflow_stager.stop()  # what an earlier stage left is not this load
+            answer: Future = Future()
             answer.set_result(False)
             return answer
-        stop = threading.Event()
-
-        def run() -> None:
-            try:
-                items = _in_order(self._rollflow_incoming(method, args))
-                key = _key(items)
-                plan = self._rollflow_plan(key)
-                if plan is None or self._rollflow_refuses(key):
-                    answer.set_result(False)
-                    return
-                self._rollflow_dirty = key
-                self._rollflow_staged = plan.stage(items, _DISPATCH[0], stop)
-                answer.set_result(True)
-            except Cancelled:
-                answer.set_result(False)
-            except BaseException as err:
-                answer.set_exception(err)
-
-        thread = threading.Thread(target=run, name="rollflow-stage", daemon=True)
-        self._rollflow_stage = (thread, stop)
-        thread.start()
-        return answer
-
-    def _rollflow_stop_stage(self) -> None:
-        """Stop the stage thread, if one runs, and wait for it (at most one tensor's copy)."""
-        if self._rollflow_stage is not None:
-            thread, stop = self._rollflow_stage
-            stop.set()
-            thread.join()
-            self._rollflow_stage = None
+        return self._rollflow_staging().start(lambda: _keyed(self._rollflow_incoming(method, args)))
 
     def rollflow_commit_staged(self) -> int:
         """Make the staged load live: copy its spare tensors in, swap the packed layers."""
-        staged, self._rollflow_staged = self._rollflow_staged, None
-        if staged is None or self._rollflow_stage is None:
-            raise RuntimeError("rollflow_commit_staged: nothing is staged (rollflow_stage first)")
-        self._rollflow_stage[0].join()  # it has answered; let it end
-        self._rollflow_stage = None
+        stager = self._rollflow_staging()
+        staged = stager.take()
         self._rollflow_touched = True
         staged.commit()
-        self._rollflow_dirty = None
+        stager.loaded()
         self._rollflow_touched = False
         return len(staged.packed)
 
@@ -203,14 +151,13 @@ class WorkerExtension:
 
         return load(args[0]).items()
 
-    def _rollflow_copy_in_place(self, weights) -> None:
+    def _rollflow_copy_in_place(self, keyed: tuple[Any, list[tuple[str, Any]]]) -> None:
         """The model's `load_weights`, once per set of names and shapes, watched; later loads of
         the same set copy each tensor straight to where that load put it (the loader's name
         mapping and checks are Python work that costs more than copying a small model). The
         incoming tensors are held at once: views into memory the source holds anyway (a
         shared-memory segment, gloo's receive buffers, a safetensors payload already read)."""
-        items = _in_order(weights)
-        key = _key(items)
+        key, items = keyed
         if self._rollflow_copies is None:
             self._rollflow_copies = {}
         copies = self._rollflow_copies.get(key)
@@ -258,10 +205,7 @@ class WorkerExtension:
         moment the old one exits, even before it is reaped) and then kills this process. Worker
         processes of a multi-process engine watch the engine process the same way.
         """
-        import os
         import signal
-        import threading
-        import time
 
         parent = os.getppid()
 
@@ -431,16 +375,13 @@ def _decode_plan(plan: bytes | str) -> Any:
     return BucketPlan.decode(base64.b64decode(plan) if isinstance(plan, str) else plan)
 
 
-def _in_order(weights: Any) -> list[tuple[str, Any]]:
-    """Incoming (name, tensor) pairs sorted by name: the same set of weights is one key, and one
-    copy plan, whatever order its source lays them out in (safetensors bytes and shm buckets
-    differ)."""
-    return sorted(weights, key=lambda item: item[0])
-
-
-def _key(items: list[tuple[str, Any]]) -> tuple[Any, ...]:
-    """What makes two loads alike: the names, dtypes and shapes of their tensors, in order."""
-    return tuple((name, tensor.dtype, tuple(tensor.shape)) for name, tensor in items)
+def _keyed(weights: Any) -> tuple[tuple[Any, ...], list[tuple[str, Any]]]:
+    """Incoming (name, tensor) pairs sorted by name, and their key: what makes two loads alike,
+    the names, dtypes and shapes of their tensors in that order. Sorted, the same set of weights
+    is one key, and one copy plan, whatever order its source lays them out in (safetensors bytes
+    and shm buckets differ)."""
+    items = sorted(weights, key=lambda item: item[0])
+    return tuple((name, tensor.dtype, tuple(tensor.shape)) for name, tensor in items), items
 
 
 def rollflow_update(
