@@ -47,10 +47,11 @@ async def test_synchronous_run_idles_each_side_for_the_others_share(tmp_path, ru
 
 @pytest.mark.timeout(60)
 async def test_asynchronous_run_with_a_slow_trainer_keeps_the_trainer_busy(tmp_path, run_fake):
-    # Generation (≈ 12 ms a step) is far faster than training (0.1 s): with max_lag 2 the
+    # Generation (≈ 12 ms a step) is far faster than training (0.3 s): with max_lag 2 the
     # trainer never waits after the first step, the engine idles most of the time, and the
-    # batches are stale by up to 2 versions.
-    engine, trainer = FakeEngine(token_delay=0.001), FakeTrainer(step_s=0.1)
+    # batches are stale by up to 2 versions. (A 0.1 s step left too little room: on a loaded
+    # machine the controller's own work per step made the trainer wait 10% of the time.)
+    engine, trainer = FakeEngine(token_delay=0.001), FakeTrainer(step_s=0.3)
     result, trainer, _, _ = await run_fake(tmp_path, engine, trainer, max_lag=2, max_steps=6)
     assert mean(m["trainer_idle_frac"] for m in steady(result)) < 0.1
     assert mean(m["engine_idle_frac"] for m in steady(result)) > 0.6
