@@ -257,3 +257,20 @@ def test_the_linear_layout_reaches_every_engine_process_and_is_checked(monkeypat
     assert os.environ[LINEAR_LAYOUT] == "plain"
     with pytest.raises(ConfigError, match=r"engine.linear_layout.*'staged', 'packed', 'plain'"):
         load_config(overrides=["engine.linear_layout=blocked"])
+
+
+def test_cpu_engines_use_the_compile_cache_that_loads(monkeypatch):
+    """vLLM 0.32's CPU build cannot load the AOT artifacts it saves; CPU engines turn them off,
+    unless the user's environment says otherwise."""
+    import os
+
+    import torch
+
+    from rollflow.engine.environment import engine_environment, prepare_environment
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    engine = load_config(preset="tiny").engine
+    assert engine_environment(engine)["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setattr(os, "environ", dict(os.environ, VLLM_RPC_BASE_PATH="/tmp", VLLM_USE_AOT_COMPILE="1"))
+    prepare_environment(engine)
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"

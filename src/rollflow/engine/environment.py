@@ -29,14 +29,19 @@ WORKER_EXTENSION = "rollflow.engine.worker.WorkerExtension"
 
 def engine_environment(config: EngineConfig) -> dict[str, str]:
     """Environment variables vLLM reads at import, for any vLLM process rollflow starts: the CPU
-    platform and its threads when there is no GPU, quiet logs (`rollflow.engine.quiet`)."""
+    platform and its threads when there is no GPU, quiet logs (`rollflow.engine.quiet`).
+
+    On CPU also vLLM's older compile cache instead of its AOT artifacts: vLLM 0.32's CPU build
+    saves an AOT artifact at every start that it cannot load at the next ("'function' object has
+    no attribute 'finalize_loading'"), so each start traced the model again after a failed load;
+    without it a tiny model's engine starts about 8 s sooner on 2 cores."""
     import torch
 
     from rollflow.engine.quiet import quiet_environment
 
     env = {"VLLM_LOGGING_LEVEL": "WARNING"} | quiet_environment()
     if not torch.cuda.is_available():
-        env |= {"VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": str(config.threads)}
+        env |= {"VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": str(config.threads), "VLLM_USE_AOT_COMPILE": "0"}
     return env | {LINEAR_LAYOUT: config.linear_layout}
 
 
