@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import statistics
 import tempfile
 import time
@@ -87,7 +88,7 @@ async def tokens_in_window(engine, seconds: float, requests: int = 16, max_token
 
     async def stream(i: int) -> None:
         nonlocal count
-        for k in range(10**9):
+        for k in itertools.count():
             async for out in engine.stream(f"window{i}-{k}", [1, 100 + i, 202, 276], spec):
                 count += len(out.token_ids)
 
@@ -134,7 +135,7 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
     spec = SamplingSpec(temperature=1.0, max_tokens=256, ignore_eos=True)
 
     async def generating(i: int) -> None:
-        for k in range(10**9):
+        for k in itertools.count():
             prompt = Prompt(id=f"p{i}", token_ids=[1, 100 + i, 202, 276])
             await rollout(engine, prompt, spec, group_id=f"g{i}-{k}", index=0)
 

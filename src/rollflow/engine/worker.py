@@ -115,10 +115,15 @@ class WorkerExtension:
     def rollflow_stages_updates(self) -> bool:
         """Whether a repeated load can be staged while the engine generates: the `staged` layout
         on the CPU backend with no LoRA layers."""
+        return self._rollflow_runs("staged")
+
+    def _rollflow_runs(self, layout: str) -> bool:
+        """Whether this engine holds its linear layers in `layout` on the CPU backend, with no
+        LoRA layers wrapped around them (a LoRA engine reloads layer by layer)."""
         from vllm.platforms import current_platform
 
         runner = self.model_runner  # type: ignore[attr-defined]
-        return LINEAR_LAYOUT == "staged" and current_platform.is_cpu() and not getattr(runner, "lora_config", None)
+        return layout == LINEAR_LAYOUT and current_platform.is_cpu() and not getattr(runner, "lora_config", None)
 
     def rollflow_stage(self, method: str, args: list[Any]) -> Future:
         """Start staging the load `method(*args)` on a thread; the future answers True when it is
@@ -175,10 +180,7 @@ class WorkerExtension:
     def rollflow_loads_in_place(self) -> bool:
         """Whether a load copies into the model's own tensors: the CPU backend with plain linear
         layers and no LoRA layers wrapped around them. Otherwise vLLM's layerwise reload."""
-        from vllm.platforms import current_platform
-
-        runner = self.model_runner  # type: ignore[attr-defined]
-        return LINEAR_LAYOUT == "plain" and current_platform.is_cpu() and not getattr(runner, "lora_config", None)
+        return self._rollflow_runs("plain")
 
     def rollflow_copy_plans(self) -> int:
         """How many sets of weights a load copies straight into the model (see
