@@ -4,12 +4,14 @@ For each model (the tiny one and SmolLM2-135M-Instruct) and each `engine.linear_
 (`packed`, vLLM's own; `plain`; `staged`), a live vLLM engine generates a few requests while the
 trainer side stages a full set of weights in the default `shm` transport and publishes it,
 `--rounds` times; beside each update, a call to the engine core that does nothing (the floor any
-engine-core call pays). The engine reports the seconds of its one engine-core call (`update`:
-waiting for the model step in progress, then the load, the version label and the prefix-cache
-reset) and of each part; with `staged`, also the seconds the load was staged before that call
-while the engine kept generating (`stage`). Beside it: a memcpy of the same bytes in this
-process (the ratio: the engine-core call, the critical section in which no model step runs, over
-the memcpy), and the engine's generation speed in that layout (16 greedy requests), alone and
+engine-core call pays). The engine reports the seconds of its one engine-core call as the
+trainer side sees it (`update`: the way to the engine core, the wait for the model step in
+progress, then the load, the version label and the prefix-cache reset, and the way back), the
+same call's seconds inside the engine core (`engine core`: the critical section, in which no
+model step runs) and of each part; with `staged`, also the seconds the load was staged before
+that call while the engine kept generating (`stage`). Beside it: a memcpy of the same bytes in
+this process (the ratio: `update` over the memcpy), and the engine's generation speed in that
+layout (16 greedy requests), alone and
 while the trainer side publishes back to back (`updating`: tokens streamed in 15 s), since the
 layout trades one against the other. Then the tiny preset trains synchronously (`max_lag = 0`)
 in `packed` and `plain`, and the share of its step wall time that is neither generating nor
@@ -17,11 +19,13 @@ training is measured from its metrics.
 
 Prints a table of median milliseconds and, last, `RESULT update_vs_memcpy_tiny=X
 update_vs_memcpy_smollm2=Y update_vs_memcpy_smollm2_packed=K update_vs_memcpy_smollm2_plain=P
-update_ms_tiny=T idle_noop_ms_tiny=I sync_overhead_frac=Z sync_step_packed_vs_plain=R` (each model
-in the layout its preset uses: tiny plain, SmolLM2 staged; and SmolLM2's others; I: the
-do-nothing engine-core call to the idle tiny engine, vLLM's IPC alone; Z in the tiny preset's
-layout; R: the synchronous step's time in `packed` over `plain`; `--sync-runs 0` leaves Z and R
-out).
+update_ms_tiny=T engine_core_ms_tiny=C idle_noop_ms_tiny=I sync_overhead_frac=Z sync_update_ms_tiny=U
+sync_step_packed_vs_plain=R` (each model in the layout its preset uses: tiny plain, SmolLM2 staged;
+and SmolLM2's others; T: the whole update with requests generating, as the trainer side waits
+for it, C: its time in the engine core; I: the do-nothing engine-core call to the idle tiny
+engine, vLLM's IPC alone; Z and U in the tiny preset's layout, U: the weight update a synchronous
+step waits for (`engine_update_s`, the engine idle); R: the synchronous step's time in `packed`
+over `plain`; `--sync-runs 0` leaves Z, U and R out).
 
     bin/dev python bench/weight_update.py [--rounds 8] [--models tiny,smollm2-135m-instruct] [--steps 12]
         [--sync-runs 3] [--layouts packed,plain,staged]
@@ -38,10 +42,13 @@ import tempfile
 import time
 from pathlib import Path
 
-PARTS = ("noop call", "stage", "update", "load", "label", "reset prefix cache")
+PARTS = ("noop call", "stage", "update", "engine core", "load", "label", "reset prefix cache")
 """`noop call`: a call to the engine core that does nothing (vLLM's `get_weight_version`), the
 round trip any engine-core call pays, waiting for the model step in progress included. `stage`:
-the `staged` layout's load and packing on a thread of the engine process, before the call."""
+the `staged` layout's load and packing on a thread of the engine process, before the call.
+`update`: the update's engine-core call as this process sees it; `engine core`: the same call's
+time inside the engine core, in which it runs no model step (the rest of `update` is the wait for
+the step in progress and the call's way there and back, while the engine generates)."""
 IDLE = "idle noop"
 """The same call to an idle engine (no request running), median of 30: vLLM's IPC alone."""
 LAYOUTS = ("packed", "plain", "staged")
@@ -251,7 +258,10 @@ async def main(args: argparse.Namespace) -> None:
             parts.append(f"update_vs_memcpy_{short}_{layout}={r['update'] / r['memcpy']:.1f}")
     if ("tiny", "plain") in rows:
         tiny = rows[("tiny", "plain")]
-        parts.append(f"update_ms_tiny={tiny['total'] * 1e3:.1f} idle_noop_ms_tiny={tiny[IDLE] * 1e3:.1f}")
+        parts.append(
+            f"update_ms_tiny={tiny['total'] * 1e3:.1f} engine_core_ms_tiny={tiny['engine core'] * 1e3:.1f}"
+            f" idle_noop_ms_tiny={tiny[IDLE] * 1e3:.1f}"
+        )
     if sync:  # --sync-runs 0 leaves it out
         print(f"synchronous tiny preset, {args.steps - 1} steady steps, median of {args.sync_runs} runs, ms a step:")
         names = ("step", "generate", "train", "update")
@@ -259,9 +269,12 @@ async def main(args: argparse.Namespace) -> None:
         for layout, r in sync.items():
             row = "".join(f"{r[name] * 1e3:>10.1f}" for name in names)
             print(f"{layout:<10}{row}  {r['overhead_frac']:.3f}")
-        frac = sync[PRESET_LAYOUT["tiny"]]["overhead_frac"]
+        preset = sync[PRESET_LAYOUT["tiny"]]
         ratio = sync["packed"]["step"] / sync["plain"]["step"]
-        parts.append(f"sync_overhead_frac={frac:.3f} sync_step_packed_vs_plain={ratio:.2f}")
+        parts.append(
+            f"sync_overhead_frac={preset['overhead_frac']:.3f} sync_update_ms_tiny={preset['update'] * 1e3:.1f}"
+            f" sync_step_packed_vs_plain={ratio:.2f}"
+        )
     print("RESULT " + " ".join(parts))
 
 

@@ -68,3 +68,34 @@ def test_a_load_of_held_views_in_place_is_watched_then_replayed():
     w._rollflow_reload(iter(again.items()))
     assert len(model.alive_before) == 4  # the replay copied without the model's loader
     assert all(torch.equal(model.params[name], tensor) for name, tensor in again.items())
+
+
+def test_shm_loads_of_the_same_plan_reuse_the_views_and_read_the_rewritten_bytes():
+    from rollflow.weight_sync.buckets import plan_buckets
+    from rollflow.weight_sync.shm import ShmSender
+
+    incoming = {f"layer{i}.weight": torch.full((8, 8), float(i)) for i in range(4)}
+    plan = plan_buckets([(name, t.dtype, tuple(t.shape)) for name, t in incoming.items()])
+    model = Model({name: torch.zeros(8, 8) for name in incoming})
+    w = worker(model)
+    sender = ShmSender()
+    try:
+        sender.write(plan, incoming.items())
+        assert w.rollflow_shm_load(sender.name, plan.encode()) == plan.total_bytes
+        views = w._rollflow_shm_views_of[1][1]
+        again = {name: tensor + 10 for name, tensor in incoming.items()}
+        sender.write(plan, again.items())  # in place, as between two updates
+        assert w.rollflow_shm_load(sender.name, plan.encode()) == plan.total_bytes
+        assert w._rollflow_shm_views_of[1][1] is views  # not made again
+        assert all(torch.equal(model.params[name], tensor) for name, tensor in again.items())
+        # Another plan (here: fewer tensors, in the same segment) gets views of its own.
+        fewer = dict(list(incoming.items())[:2])
+        smaller = plan_buckets([(name, t.dtype, tuple(t.shape)) for name, t in fewer.items()])
+        sender.write(smaller, fewer.items())
+        w.rollflow_shm_load(sender.name, smaller.encode())
+        assert [name for name, _ in w._rollflow_shm_views_of[1][1]] == list(fewer)
+        assert all(torch.equal(model.params[name], tensor) for name, tensor in fewer.items())
+        w._rollflow_shm_close()
+        assert w._rollflow_shm is None and w._rollflow_shm_views_of is None
+    finally:
+        sender.close()

@@ -49,6 +49,9 @@ class WorkerExtension:
     _rollflow_buffers: list[Any] | None = None
     _rollflow_shm: tuple[tuple[str, int], Any] | None = None
     """The shared-memory segment of the last `shm` load, kept mapped: ((name, size), mapping)."""
+    _rollflow_shm_views_of: tuple[tuple[str, bytes | str], tuple[int, list[tuple[str, Any]]]] | None = None
+    """The last (segment name, plan) loaded and what `_rollflow_shm_views` made of it, kept for
+    the next load of the same (making the views costs more than copying a small model's bytes)."""
     _rollflow_touched = False
     """A reload began changing the model and did not finish: its layers may be half-loaded."""
 
@@ -151,7 +154,7 @@ class WorkerExtension:
     def _rollflow_incoming(self, method: str, args: list[Any]) -> Any:
         """The (name, tensor) pairs a stageable load `method(*args)` would load."""
         if method == "rollflow_shm_load":
-            return self._rollflow_shm_views(args[0], _decode_plan(args[1]))
+            return self._rollflow_shm_views(args[0], args[1])[1]
         from safetensors.torch import load
 
         return load(args[0]).items()
@@ -254,21 +257,28 @@ class WorkerExtension:
         The mapping stays open for the next load from the same segment (the sender rewrites it
         in place between loads), so a load neither maps nor unmaps, and nothing waits for the
         views to be collected; a segment of another name or size replaces it."""
-        decoded = _decode_plan(plan)
-        self._rollflow_reload(self._rollflow_shm_views(name, decoded))
-        return decoded.total_bytes
+        total, views = self._rollflow_shm_views(name, plan)
+        self._rollflow_reload(iter(views))
+        return total
 
-    def _rollflow_shm_views(self, name: str, plan: Any) -> Any:
-        """The (name, view) pairs of the segment `name`, as the `BucketPlan` lays it out."""
+    def _rollflow_shm_views(self, name: str, plan: bytes | str) -> tuple[int, list[tuple[str, Any]]]:
+        """The bytes the `BucketPlan` `plan` lays out in the segment `name`, and its (name, view)
+        pairs: the same list for the same segment and plan (the sender rewrites them in place)."""
         from rollflow.weight_sync.shm import map_segment, read_buckets
 
-        key = (name, max(plan.total_bytes, 1))
+        if self._rollflow_shm_views_of is not None and self._rollflow_shm_views_of[0] == (name, plan):
+            return self._rollflow_shm_views_of[1]
+        decoded = _decode_plan(plan)
+        key = (name, max(decoded.total_bytes, 1))
         if self._rollflow_shm is None or self._rollflow_shm[0] != key:
             self._rollflow_shm_close()
             self._rollflow_shm = (key, map_segment(*key))
-        return read_buckets(self._rollflow_shm[1], plan)
+        read = (decoded.total_bytes, list(read_buckets(self._rollflow_shm[1], decoded)))
+        self._rollflow_shm_views_of = ((name, plan), read)
+        return read
 
     def _rollflow_shm_close(self) -> None:
+        self._rollflow_shm_views_of = None
         if self._rollflow_shm is None:
             return
         mapping, self._rollflow_shm = self._rollflow_shm[1], None
@@ -392,7 +402,8 @@ def rollflow_update(
     """A whole weight update in one engine-core call, added to vLLM's `EngineCore`: abort the
     running requests (`abort`), run the worker's load `method`, label the outputs of every later
     step `version`, reset the prefix cache (`reset`; `recompute`: running requests too, so their
-    KV is computed again under the new weights). Returns each part's seconds.
+    KV is computed again under the new weights). Returns each part's seconds, and the whole
+    call's (`engine core`: the time in which the engine runs no model step).
 
     The engine core takes calls between two model steps and runs no step until this returns, so
     no step sees the new weights under the old label or the old ones under the new label, and
@@ -407,7 +418,7 @@ def rollflow_update(
     if refused:
         raise RuntimeError(f"rollflow_update: {refused}")
     timings: dict[str, float] = {}
-    began = time.perf_counter()
+    began = called = time.perf_counter()
     if abort:
         from vllm.v1.request import RequestStatus
 
@@ -434,6 +445,7 @@ def rollflow_update(
     except Exception as err:
         self.collective_rpc("rollflow_distrust")
         raise RuntimeError(f"{part}, after the new weights were loaded: {err}") from err
+    timings["engine core"] = time.perf_counter() - called
     return timings
 
 
