@@ -86,6 +86,14 @@ class EngineConfig(_Section, frozen=True):
     about the same and the update cheapest, so the tiny preset uses `plain`.
     `bench/weight_update.py` measures all three; docs/weight-sync.md explains them."""
 
+    enforce_eager: bool = False
+    """Run the model eagerly, without vLLM's `torch.compile` (vLLM's own `enforce_eager`; on GPU
+    also without CUDA graphs): the engine starts sooner and may generate slower. On a 2-core x86
+    CPU, SmolLM2-135M's engine was ready in 22-28 s instead of 41-45 s, at 0.8-0.9x the tokens/s;
+    the tiny model's in 17-27 s instead of 21-23 s, at the same tokens/s. An in-process eager
+    engine sends itself one request before it reports ready, since vLLM compiles its sampler's
+    helpers at the first one."""
+
     start_timeout_s: NonNegFloat = 300.0
     """Seconds to wait for the engine to start before giving up with an error."""
 

@@ -22,6 +22,10 @@ GREEDY = SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 async def fresh_engine(**settings) -> VLLMEngine:
+    """A new engine per test (each leaves its engine out of service); eager, so these tests run
+    eager engines (the compiled engine's loads are tested in test_weight_sync.py) and its start
+    includes vLLM's first-request compilation, which a 1 s deadline below does not allow for."""
+    settings = {"enforce_eager": True} | settings
     config = EngineConfig(
         kv_cache_bytes=64 * 1024 * 1024, max_model_len=256, max_num_seqs=4, update_deadline_s=5, **settings
     )

@@ -274,3 +274,15 @@ def test_cpu_engines_use_the_compile_cache_that_loads(monkeypatch):
     monkeypatch.setattr(os, "environ", dict(os.environ, VLLM_RPC_BASE_PATH="/tmp", VLLM_USE_AOT_COMPILE="1"))
     prepare_environment(engine)
     assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
+
+
+def test_eager_mode_reaches_the_engine_in_process_and_as_a_server(tmp_path):
+    from rollflow.config import EngineConfig
+    from rollflow.engine.environment import engine_args, serve_command
+
+    model = _model_dir(tmp_path / "m", max_position_embeddings=256)
+    assert not load_config(preset="tiny").engine.enforce_eager  # vLLM's default: compiled
+    for eager in (False, True):
+        config = EngineConfig(enforce_eager=eager, max_model_len=256)
+        assert engine_args(str(model), config, "float32").enforce_eager is eager
+        assert ("--enforce-eager" in serve_command(model, config, host="127.0.0.1", port=1, dtype="float32")) is eager

@@ -147,7 +147,8 @@ def sampling_params(sampling: SamplingSpec, deltas: bool = True) -> Any:
 
 def engine_args(model_path: str, config: EngineConfig, dtype: str) -> Any:
     """vLLM's `AsyncEngineArgs` for an in-process engine: the model, the KV cache and batch size,
-    log-probs as sampled, rollflow's worker extension, prefix caching, LoRA when asked."""
+    log-probs as sampled, rollflow's worker extension, prefix caching, eager mode and LoRA when
+    asked."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from rollflow.engine.quiet import verbose
@@ -172,6 +173,7 @@ def engine_args(model_path: str, config: EngineConfig, dtype: str) -> Any:
         logprobs_mode=config.logprobs_mode,
         worker_extension_cls=WORKER_EXTENSION,
         enable_prefix_caching=True,
+        enforce_eager=config.enforce_eager,
         disable_log_stats=True,
         enable_log_requests=False,
         use_tqdm_on_load=verbose(),  # a progress bar per start otherwise
@@ -201,7 +203,7 @@ def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, po
         "--disable-log-stats",
     ] + (
         ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer})] if config.weight_transfer else []
-    )  # fmt: skip
+    ) + (["--enforce-eager"] if config.enforce_eager else [])  # fmt: skip
 
 
 def serve_environment(config: EngineConfig) -> dict[str, str]:

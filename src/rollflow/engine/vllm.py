@@ -109,7 +109,8 @@ class VLLMEngine(AdapterSync):
         return len(self._live)
 
     async def start(self) -> VLLMEngine:
-        """Start the engine processes (20-40 s on CPU); raises `EngineError` on failure."""
+        """Start the engine processes (15-50 s on CPU, see `engine.enforce_eager`); raises
+        `EngineError` on failure."""
         check_kv_cache(self.model_path, self.config, self.dtype)
         prepare_environment(self.config)
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -144,6 +145,15 @@ class VLLMEngine(AdapterSync):
             log.info("weight updates run in stages: %s", refused)
         else:
             self.stages_updates = all(await self._llm.collective_rpc("rollflow_stages_updates"))
+        if self.config.enforce_eager:
+            # vLLM compiles its sampler's helpers at an eager engine's first request (about 3 s on
+            # a 2-core CPU; a compiled engine does it in its warm-up): here, so that neither the
+            # first rollouts nor a weight update's deadline pay for it.
+            try:
+                await self.generate([0], SamplingSpec(max_tokens=1), "rollflow-warm-up")
+            except Exception as err:
+                await self.aclose()
+                raise EngineError(f"vLLM engine for {self.model_path} failed its first request: {err}") from err
         log.info("vLLM engine ready in %.1f s", time.monotonic() - began)
         return self
 
