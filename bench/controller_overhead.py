@@ -15,6 +15,8 @@ import asyncio
 import tempfile
 import time
 
+import machine
+
 from rollflow.config import load_config
 from rollflow.controller import Controller
 from rollflow.engine import EngineOutput
@@ -76,6 +78,7 @@ async def main(args: argparse.Namespace) -> None:
     print(f"{'whole run':<14}{result.steps:>6}{samples:>10}{seconds:>10.2f}{samples / seconds:>12.0f}")
     print(f"{'steady state':<14}{result.steps - 1:>6}{steady:>10}{steady_s:>10.2f}{steady / steady_s:>12.0f}")
     print(f"tokens/sample={args.tokens} group_size={args.group_size} groups/step={args.groups}")
+    print(machine.describe())
     print(f"RESULT controller_samples_per_s={steady / steady_s:.0f}")
 
 

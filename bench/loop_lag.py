@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import machine
+
 
 def engine_child(pid: int) -> int | None:
     for entry in Path("/proc").iterdir():
@@ -72,6 +74,7 @@ def main() -> None:
     print(f"loop_lag_ms_max per step ({args.src or 'installed rollflow'})")
     for name, lags in rows.items():
         print(f"{name:12s} max {max(lags):7.1f}   " + " ".join(f"{v:6.1f}" for v in lags))
+    print(machine.describe())
     print(f"RESULT loop_lag_ms_max plain={max(rows['plain']):.1f} checkpoints={max(rows['checkpoints']):.1f} "
           f"restart={max(rows['restart']):.1f}")
 

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import machine
+
 
 def _rss_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -100,6 +102,7 @@ def main() -> None:
     excl = (default["extra_mb"] - grads_mb) / (naive["extra_mb"] - grads_mb)
     print(f"gradient floor shared by both paths: {grads_mb:.0f} MB")
     total = default["extra_mb"] / naive["extra_mb"]
+    print(machine.describe())
     print(f"RESULT loss_memory_ratio={total:.3f} loss_memory_ratio_excl_grads={excl:.3f}")
 
 

@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import machine
+
 from rollflow.config import Config, load_config
 from rollflow.controller import train
 
@@ -183,6 +185,7 @@ async def main(args: argparse.Namespace) -> None:
     ideal = (gen_s + train_s) / max(gen_s, train_s)
     print(f"synchronous stages: generate {gen_s:.2f} s + train {train_s:.2f} s a step; ideal overlap "
           f"speedup {ideal:.2f}")
+    print(machine.describe())
     print(f"RESULT overlap_speedup={speedup:.2f} overlap_efficiency={speedup / ideal:.2f} "
           f"trainer_idle_async={asyn['trainer_idle']:.3f} max_tokens={args.max_tokens}")
 

@@ -18,6 +18,8 @@ import math
 import random
 import time
 
+import machine
+
 LAYOUTS = ("padded", "packed", "shared_prompt")
 
 
@@ -104,6 +106,7 @@ def main() -> None:
         print(f"{layout:<16}{tokens[layout]:>14}{waste:>18.3f}{step[layout]:>10.2f}"
               f"{step['padded'] / step[layout]:>10.2f}")
     print("(a negative waste is the prompt tokens a shared layout does not compute again)")
+    print(machine.describe())
     print(f"RESULT packing_speedup={step['padded'] / step['packed']:.2f} "
           f"prefix_sharing_speedup={step['padded'] / step['shared_prompt']:.2f} "
           f"padding_waste_padded={1 - real / tokens['padded']:.3f}")

@@ -7,6 +7,8 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 
+import machine
+
 from rollflow.records import SamplingSpec
 
 
@@ -29,6 +31,7 @@ def report(totals: dict[str, list], ratios: list[float], args: argparse.Namespac
         print(f"{name:<{width}}{tokens:>10}{seconds:>10.2f}{tokens / seconds:>12.0f}")
     print("per-round ratios: " + " ".join(f"{r:.3f}" for r in ratios))
     print(f"requests={args.requests} tokens/request={args.tokens} rounds={args.rounds} model={args.model}")
+    print(machine.describe())
     print(f"RESULT {result}={statistics.median(ratios):.3f}")
 
 

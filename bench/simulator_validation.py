@@ -26,6 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import machine
 from overlap import CONTROLLER_CORE, ENGINE_CORE, SYSTEM_WORDS, pin
 
 from rollflow.config import Config, load_config
@@ -259,6 +260,7 @@ def main(args: argparse.Namespace) -> None:
               f"{real['train_step_s']:>8.3f}{sim['gen_tokens_per_s']:>15.0f}{real['gen_tokens_per_s']:>8.0f}")
     sim_b, real_b = rows["B: max_lag 2, 4 groups"]
     error_b = abs(100 * (sim_b["steps_per_s"] - real_b["steps_per_s"]) / real_b["steps_per_s"])
+    print(machine.describe())
     print(f"RESULT sim_error_pct={error_b:.1f}")
 
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import machine
 import torch
 
 from rollflow.testing import unused_port
@@ -123,6 +124,7 @@ def main() -> None:
     large_speedup = results["few-large"]["per"] / results["few-large"]["packed"]
     gloo_gbps = results["few-large"]["bytes"] / results["few-large"]["packed"] / 1e9
     print(f"packed vs per-tensor: many-small {speedup:.2f}x, few-large {large_speedup:.2f}x")
+    print(machine.describe())
     print(f"RESULT packed_speedup={speedup:.2f} shm_vs_memcpy={memcpy / write:.2f} gloo_gbps={gloo_gbps:.2f}")
 
 

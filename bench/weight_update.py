@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import machine
+
 PARTS = ("noop call", "stage", "update", "engine core", "load", "label", "reset prefix cache")
 """`noop call`: a call to the engine core that does nothing (vLLM's `get_weight_version`), the
 round trip any engine-core call pays, waiting for the model step in progress included. `stage`:
@@ -275,6 +277,7 @@ async def main(args: argparse.Namespace) -> None:
             f"sync_overhead_frac={preset['overhead_frac']:.3f} sync_update_ms_tiny={preset['update'] * 1e3:.1f}"
             f" sync_step_packed_vs_plain={ratio:.2f}"
         )
+    print(machine.describe())
     print("RESULT " + " ".join(parts))
 
 
