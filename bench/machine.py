@@ -35,8 +35,8 @@ def describe() -> str:
         memory = f"{pages / 2**30:.0f} GiB"
     except (ValueError, OSError):
         memory = "unknown memory"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"machine: {name}, {cores} cores, {simd}, {memory}"
+    # The machine's cores, not this process's: some benchmarks pin themselves to one.
+    return f"machine: {name}, {os.cpu_count()} cores, {simd}, {memory}"
 
 
 if __name__ == "__main__":
