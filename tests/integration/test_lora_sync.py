@@ -53,31 +53,31 @@ async def test_adapter_sync_matches_peft_and_in_flight_requests_finish_on_their_
     base = peft_greedy(trainer, PROMPT, 16)  # B = 0: the adapter starts as the base model
     trained_adapter(trainer, make_batch, seed=0)
     v1 = await engine.update_adapter(trainer.adapter_weights(), trainer.adapter_config())
-    want_v1 = peft_greedy(trainer, PROMPT, 48)
+    want_v1 = peft_greedy(trainer, PROMPT, 160)
     assert want_v1[:16] != base, "training must have changed the adapter's output"
     spec = SamplingSpec(temperature=0.0, max_tokens=16, ignore_eos=True)
     out = await engine.generate(PROMPT, spec, "lora-v1")
     assert out.token_ids == want_v1[:16]
     assert out.versions == [v1] * 16
 
-    # A long request on adapter v1 is in flight when v2 arrives: it finishes on v1.
-    long = SamplingSpec(temperature=0.0, max_tokens=48, ignore_eos=True)
-    task = asyncio.create_task(rollout(engine, Prompt(id="lf", token_ids=PROMPT), long, group_id="lf", index=0))
-    while engine.num_live == 0:
-        await asyncio.sleep(0.005)
+    # A long request on adapter v1 is in flight when v2 arrives: it finishes on v1. (v2 is trained
+    # first, so the update lands while the request streams however fast the machine generates.)
     trained_adapter(trainer, make_batch, seed=1)
+    long = SamplingSpec(temperature=0.0, max_tokens=160, ignore_eos=True)
+    task = asyncio.create_task(rollout(engine, Prompt(id="lf", token_ids=PROMPT), long, group_id="lf", index=0))
+    while not (engine.partial("lf/0") or EngineOutput([], [])).token_ids:
+        assert not task.done(), "the request finished before the update; make it longer"
+        await asyncio.sleep(0.002)
     v2 = await engine.update_adapter(trainer.adapter_weights(), trainer.adapter_config())
     assert engine.loaded_adapters == [v1, v2]  # v1 stays loaded while in use
     # What a checkpoint (or a rescue from a dead engine) saves of it carries v1 too, not the base
     # model's label: adapters are versioned by name, vLLM's weight label never changes.
-    while not (engine.partial("lf/0") or EngineOutput([], [])).token_ids:
-        await asyncio.sleep(0.005)
     saved = engine.partial("lf/0")
     assert saved is not None and 0 < len(saved.versions) == len(saved.token_ids)
     assert saved.versions == [v1] * len(saved.token_ids)
     sample = await task
     assert sample.finish_reason == "length" and sample.completion_token_ids == want_v1
-    assert sample.versions == [v1] * 48
+    assert sample.versions == [v1] * 160
     want_v2 = peft_greedy(trainer, PROMPT, 16)
     assert want_v2 != want_v1[:16]
     assert (await engine.generate(PROMPT, spec, "lora-v2")).token_ids == want_v2

@@ -69,16 +69,24 @@ async def test_loading_weights_switches_greedy_output_and_back(engine_on_a, mode
     assert engine.version == before + 2
 
 
+LONG = 160
+"""Tokens of the rollouts a weight update interrupts: long enough that an update sent after the
+first few tokens lands mid-stream however fast the machine generates."""
+
+
 async def _update_mid_stream(engine, model_b, partial: str, after_tokens: int = 4):
-    """Start a long greedy rollout, load model B once it has produced some tokens."""
-    spec = SamplingSpec(temperature=0.0, max_tokens=64, ignore_eos=True)
+    """Start a long greedy rollout, load model B once it has produced `after_tokens` tokens."""
+    spec = SamplingSpec(temperature=0.0, max_tokens=LONG, ignore_eos=True)
     version = engine.version
-    task = asyncio.create_task(rollout(engine, _prompt(), spec, group_id=f"mid-{partial}", index=0, partial=partial))
-    # Wait until the request is streaming, then update while it is in flight.
-    while engine.num_live == 0:
-        await asyncio.sleep(0.005)
-    await asyncio.sleep(0.02 * after_tokens)
-    assert not task.done(), "the stream finished before the update; make it longer"
+    progress = Progress()
+    task = asyncio.create_task(
+        rollout(engine, _prompt(), spec, group_id=f"mid-{partial}", index=0, partial=partial, progress=progress)
+    )
+    # Wait on tokens, not time: a fast machine streams a whole rollout in the time a slow one
+    # takes for a few tokens.
+    while len(progress.snapshot(engine).tokens) < after_tokens:
+        assert not task.done(), "the stream finished before the update; make it longer"
+        await asyncio.sleep(0.002)
     await engine.update_weights(model_b.state_dict(), partial=partial)
     sample = await task
     return sample, version
@@ -87,13 +95,13 @@ async def _update_mid_stream(engine, model_b, partial: str, after_tokens: int = 
 async def test_keep_mode_versions_switch_at_the_exact_boundary(engine_on_a, model_a, model_b):
     sample, v = await _update_mid_stream(engine_on_a, model_b, "keep")
     tokens, versions = sample.completion_token_ids, sample.versions
-    assert len(tokens) == 64 and sample.interruptions == 0
+    assert len(tokens) == LONG and sample.interruptions == 0
     k = versions.index(v + 1)
-    assert 0 < k < 64, f"update must land mid-stream, landed at {k}"
-    assert versions == [v] * k + [v + 1] * (64 - k)
+    assert 0 < k < LONG, f"update must land mid-stream, landed at {k}"
+    assert versions == [v] * k + [v + 1] * (LONG - k)
     # Before the boundary: model A from the prompt. After it: model B from prompt + prefix.
     want_a, lp_a = model_a.greedy(PROMPT, k)
-    want_b, lp_b = model_b.greedy(PROMPT + tokens[:k], 64 - k)
+    want_b, lp_b = model_b.greedy(PROMPT + tokens[:k], LONG - k)
     assert tokens[:k] == want_a
     assert tokens[k:] == want_b
     assert sample.logprobs == pytest.approx(lp_a + lp_b, abs=1e-4)
@@ -102,12 +110,12 @@ async def test_keep_mode_versions_switch_at_the_exact_boundary(engine_on_a, mode
 async def test_resume_mode_continues_from_the_prefix(engine_on_a, model_a, model_b):
     sample, v = await _update_mid_stream(engine_on_a, model_b, "resume")
     tokens, versions = sample.completion_token_ids, sample.versions
-    assert len(tokens) == 64 and sample.interruptions == 1
+    assert len(tokens) == LONG and sample.interruptions == 1
     k = versions.index(v + 1)
-    assert 0 < k < 64
-    assert versions == [v] * k + [v + 1] * (64 - k)
+    assert 0 < k < LONG
+    assert versions == [v] * k + [v + 1] * (LONG - k)
     assert tokens[:k] == model_a.greedy(PROMPT, k)[0]
-    want_b, lp_b = model_b.greedy(PROMPT + tokens[:k], 64 - k)
+    want_b, lp_b = model_b.greedy(PROMPT + tokens[:k], LONG - k)
     assert tokens[k:] == want_b
     assert sample.logprobs[k:] == pytest.approx(lp_b, abs=1e-4)
 
@@ -115,8 +123,8 @@ async def test_resume_mode_continues_from_the_prefix(engine_on_a, model_a, model
 async def test_restart_mode_starts_over_under_new_weights(engine_on_a, model_b):
     sample, v = await _update_mid_stream(engine_on_a, model_b, "restart")
     assert sample.interruptions == 1
-    assert sample.versions == [v + 1] * 64
-    assert sample.completion_token_ids == model_b.greedy(PROMPT, 64)[0]
+    assert sample.versions == [v + 1] * LONG
+    assert sample.completion_token_ids == model_b.greedy(PROMPT, LONG)[0]
 
 
 async def test_progress_of_a_running_request_is_a_prefix_of_its_final_output(engine_on_a, model_b):

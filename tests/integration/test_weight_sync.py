@@ -78,20 +78,28 @@ async def test_sync_during_a_live_stream_switches_versions_at_the_boundary(engin
     assert_switched_once(sample, v, model_a, model_b)
 
 
-async def generating(engine, group_id: str) -> asyncio.Task:
-    """A 64-token greedy rollout of PROMPT, started and seen generating."""
-    from rollflow.records import Prompt
-    from rollflow.rollout import rollout
+LONG = 160
+"""Tokens of a rollout an update interrupts: long enough that an update sent after its first few
+tokens (staging included) lands mid-stream however fast the machine generates."""
 
-    spec = SamplingSpec(temperature=0.0, max_tokens=64, ignore_eos=True)
-    task = asyncio.create_task(rollout(engine, Prompt(id="live", token_ids=PROMPT), spec, group_id=group_id, index=0))
-    while engine.num_live == 0:
-        await asyncio.sleep(0.005)
-    await asyncio.sleep(0.05)
+
+async def generating(engine, group_id: str, after_tokens: int = 4) -> asyncio.Task:
+    """A LONG-token greedy rollout of PROMPT, started and seen to have made `after_tokens` tokens."""
+    from rollflow.records import Prompt
+    from rollflow.rollout import Progress, rollout
+
+    spec = SamplingSpec(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+    progress = Progress()
+    task = asyncio.create_task(
+        rollout(engine, Prompt(id="live", token_ids=PROMPT), spec, group_id=group_id, index=0, progress=progress)
+    )
+    while len(progress.snapshot(engine).tokens) < after_tokens:  # tokens, not time: machines differ
+        assert not task.done(), "the stream finished before the update; make it longer"
+        await asyncio.sleep(0.002)
     return task
 
 
-def assert_switched_once(sample, v: int, model_a, model_b, n: int = 64) -> None:
+def assert_switched_once(sample, v: int, model_a, model_b, n: int = LONG) -> None:
     """Versions v then v + 1 with the boundary inside; A's greedy tokens before it, B's after."""
     k = sample.versions.index(v + 1)
     assert 0 < k < n and sample.versions == [v] * k + [v + 1] * (n - k)
