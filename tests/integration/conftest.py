@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import torch
 from rollflow.config import EngineConfig
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.models import tiny_model_path
+from rollflow.records import Prompt, SamplingSpec
+from rollflow.rollout import Progress, rollout
 
 
 @pytest.fixture
@@ -86,3 +89,27 @@ async def engine_on_a(engine, model_a):
     """The engine, guaranteed to hold model A's weights afterwards (tests may load others)."""
     yield engine
     await engine.update_weights(model_a.state_dict())
+
+
+async def _streaming(
+    engine, token_ids: list[int], group_id: str, max_tokens: int, partial: str = "keep", after_tokens: int = 4
+) -> asyncio.Task:
+    """A greedy rollout of `token_ids` (request `group_id/0`), started and seen to have made
+    `after_tokens` tokens. Tokens, not time: a fast machine streams a whole rollout in the time a
+    slow one takes for a few, so an update sent now lands mid-stream on either."""
+    spec = SamplingSpec(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    progress = Progress()
+    prompt = Prompt(id="live", token_ids=token_ids)
+    task = asyncio.create_task(
+        rollout(engine, prompt, spec, group_id=group_id, index=0, partial=partial, progress=progress)
+    )
+    while len(progress.snapshot(engine).tokens) < after_tokens:
+        assert not task.done(), "the stream finished before the update; make it longer"
+        await asyncio.sleep(0.002)
+    return task
+
+
+@pytest.fixture
+def streaming():
+    """`_streaming`: start a rollout an update is to interrupt."""
+    return _streaming

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
 from rollflow.config import EngineConfig, LoRAConfig, TrainerConfig
-from rollflow.engine import EngineOutput
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.models import tiny_model_path
-from rollflow.records import Prompt, SamplingSpec
-from rollflow.rollout import rollout
+from rollflow.records import SamplingSpec
 from rollflow.trainer import Trainer
 
 pytestmark = pytest.mark.integration
@@ -47,7 +43,9 @@ def trained_adapter(trainer: Trainer, make_batch, seed: int) -> None:
         trainer.step(batch)
 
 
-async def test_adapter_sync_matches_peft_and_in_flight_requests_finish_on_their_adapter(lora_engine, make_batch):
+async def test_adapter_sync_matches_peft_and_in_flight_requests_finish_on_their_adapter(
+    lora_engine, make_batch, streaming
+):
     engine = lora_engine
     trainer = Trainer(tiny_model_path(0), TrainerConfig(lr=5e-2, lora=LoRAConfig(enabled=True, rank=8)))
     base = peft_greedy(trainer, PROMPT, 16)  # B = 0: the adapter starts as the base model
@@ -63,11 +61,7 @@ async def test_adapter_sync_matches_peft_and_in_flight_requests_finish_on_their_
     # A long request on adapter v1 is in flight when v2 arrives: it finishes on v1. (v2 is trained
     # first, so the update lands while the request streams however fast the machine generates.)
     trained_adapter(trainer, make_batch, seed=1)
-    long = SamplingSpec(temperature=0.0, max_tokens=160, ignore_eos=True)
-    task = asyncio.create_task(rollout(engine, Prompt(id="lf", token_ids=PROMPT), long, group_id="lf", index=0))
-    while not (engine.partial("lf/0") or EngineOutput([], [])).token_ids:
-        assert not task.done(), "the request finished before the update; make it longer"
-        await asyncio.sleep(0.002)
+    task = await streaming(engine, PROMPT, "lf", 160, after_tokens=1)
     v2 = await engine.update_adapter(trainer.adapter_weights(), trainer.adapter_config())
     assert engine.loaded_adapters == [v1, v2]  # v1 stays loaded while in use
     # What a checkpoint (or a rescue from a dead engine) saves of it carries v1 too, not the base

@@ -74,26 +74,17 @@ LONG = 160
 first few tokens lands mid-stream however fast the machine generates."""
 
 
-async def _update_mid_stream(engine, model_b, partial: str, after_tokens: int = 4):
-    """Start a long greedy rollout, load model B once it has produced `after_tokens` tokens."""
-    spec = SamplingSpec(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+async def _update_mid_stream(engine, model_b, partial: str, streaming):
+    """Start a long greedy rollout, load model B once it has produced a few tokens."""
     version = engine.version
-    progress = Progress()
-    task = asyncio.create_task(
-        rollout(engine, _prompt(), spec, group_id=f"mid-{partial}", index=0, partial=partial, progress=progress)
-    )
-    # Wait on tokens, not time: a fast machine streams a whole rollout in the time a slow one
-    # takes for a few tokens.
-    while len(progress.snapshot(engine).tokens) < after_tokens:
-        assert not task.done(), "the stream finished before the update; make it longer"
-        await asyncio.sleep(0.002)
+    task = await streaming(engine, PROMPT, f"mid-{partial}", LONG, partial=partial)
     await engine.update_weights(model_b.state_dict(), partial=partial)
     sample = await task
     return sample, version
 
 
-async def test_keep_mode_versions_switch_at_the_exact_boundary(engine_on_a, model_a, model_b):
-    sample, v = await _update_mid_stream(engine_on_a, model_b, "keep")
+async def test_keep_mode_versions_switch_at_the_exact_boundary(engine_on_a, model_a, model_b, streaming):
+    sample, v = await _update_mid_stream(engine_on_a, model_b, "keep", streaming)
     tokens, versions = sample.completion_token_ids, sample.versions
     assert len(tokens) == LONG and sample.interruptions == 0
     k = versions.index(v + 1)
@@ -107,8 +98,8 @@ async def test_keep_mode_versions_switch_at_the_exact_boundary(engine_on_a, mode
     assert sample.logprobs == pytest.approx(lp_a + lp_b, abs=1e-4)
 
 
-async def test_resume_mode_continues_from_the_prefix(engine_on_a, model_a, model_b):
-    sample, v = await _update_mid_stream(engine_on_a, model_b, "resume")
+async def test_resume_mode_continues_from_the_prefix(engine_on_a, model_a, model_b, streaming):
+    sample, v = await _update_mid_stream(engine_on_a, model_b, "resume", streaming)
     tokens, versions = sample.completion_token_ids, sample.versions
     assert len(tokens) == LONG and sample.interruptions == 1
     k = versions.index(v + 1)
@@ -120,8 +111,8 @@ async def test_resume_mode_continues_from_the_prefix(engine_on_a, model_a, model
     assert sample.logprobs[k:] == pytest.approx(lp_b, abs=1e-4)
 
 
-async def test_restart_mode_starts_over_under_new_weights(engine_on_a, model_b):
-    sample, v = await _update_mid_stream(engine_on_a, model_b, "restart")
+async def test_restart_mode_starts_over_under_new_weights(engine_on_a, model_b, streaming):
+    sample, v = await _update_mid_stream(engine_on_a, model_b, "restart", streaming)
     assert sample.interruptions == 1
     assert sample.versions == [v + 1] * LONG
     assert sample.completion_token_ids == model_b.greedy(PROMPT, LONG)[0]

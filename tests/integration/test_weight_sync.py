@@ -20,6 +20,9 @@ from rollflow.weight_sync import make_transport, plan_for, sync_weights
 pytestmark = pytest.mark.integration
 
 PROMPT = [1, 735, 202, 276, 261, 264, 277, 281, 34, 2, 202, 1, 871, 202]
+LONG = 160
+"""Tokens of a rollout an update interrupts: long enough that an update sent after its first few
+tokens (staging included) lands mid-stream however fast the machine generates."""
 GREEDY = SamplingSpec(temperature=0.0, max_tokens=20, ignore_eos=True)
 HERE = Path(__file__).parent
 
@@ -63,40 +66,21 @@ async def test_transport_switches_weights_a_b_a(engine_on_a, model_a, model_b, n
         await transport.aclose()
 
 
-async def test_sync_during_a_live_stream_switches_versions_at_the_boundary(engine_on_a, model_a, model_b):
+async def test_sync_during_a_live_stream_switches_versions_at_the_boundary(
+    engine_on_a, model_a, model_b, streaming
+):
     engine = engine_on_a
     transport = make_transport("gloo")
     v = engine.version
     try:
         await transport.connect(engine)
-        task = await generating(engine, "live")
+        task = await streaming(engine, PROMPT, "live", LONG)
         state = model_b.state_dict()
         await sync_weights(engine, transport, plan_for(state), state.items())
         sample = await task
     finally:
         await transport.aclose()
     assert_switched_once(sample, v, model_a, model_b)
-
-
-LONG = 160
-"""Tokens of a rollout an update interrupts: long enough that an update sent after its first few
-tokens (staging included) lands mid-stream however fast the machine generates."""
-
-
-async def generating(engine, group_id: str, after_tokens: int = 4) -> asyncio.Task:
-    """A LONG-token greedy rollout of PROMPT, started and seen to have made `after_tokens` tokens."""
-    from rollflow.records import Prompt
-    from rollflow.rollout import Progress, rollout
-
-    spec = SamplingSpec(temperature=0.0, max_tokens=LONG, ignore_eos=True)
-    progress = Progress()
-    task = asyncio.create_task(
-        rollout(engine, Prompt(id="live", token_ids=PROMPT), spec, group_id=group_id, index=0, progress=progress)
-    )
-    while len(progress.snapshot(engine).tokens) < after_tokens:  # tokens, not time: machines differ
-        assert not task.done(), "the stream finished before the update; make it longer"
-        await asyncio.sleep(0.002)
-    return task
 
 
 def assert_switched_once(sample, v: int, model_a, model_b, n: int = LONG) -> None:
@@ -109,7 +93,7 @@ def assert_switched_once(sample, v: int, model_a, model_b, n: int = LONG) -> Non
 
 @pytest.mark.parametrize("partial", ["keep", "resume"])
 async def test_plain_layout_loads_in_place_and_switches_versions_at_the_boundary(
-    engine, plain_engine, model_a, model_b, partial
+    engine, plain_engine, model_a, model_b, partial, streaming
 ):
     """`engine.linear_layout = "plain"`: the worker copies into the model's own tensors (the
     packed engine reloads layer by layer), in one engine-core call with no pause; a request
@@ -120,7 +104,7 @@ async def test_plain_layout_loads_in_place_and_switches_versions_at_the_boundary
     transport = make_transport("shm")
     v = plain_engine.version
     try:
-        task = await generating(plain_engine, f"live-{partial}")
+        task = await streaming(plain_engine, PROMPT, f"live-{partial}", LONG)
         state = model_b.state_dict()
         await sync_weights(plain_engine, transport, plan_for(state), state.items(), partial=partial)
         assert list(plain_engine.last_update_s) == ["update"] + ["abort"] * (partial != "keep") + [
@@ -153,7 +137,7 @@ async def test_plain_layout_loads_in_place_and_switches_versions_at_the_boundary
 
 @pytest.mark.parametrize("partial", ["keep", "resume"])
 async def test_staged_layout_stages_while_generating_and_switches_versions_at_the_boundary(
-    engine_on_a, model_a, model_b, partial
+    engine_on_a, model_a, model_b, partial, streaming
 ):
     """`engine.linear_layout = "staged"` (the default): the first load of a set of names and
     shapes is made whole in the critical section (and watched); later ones are copied and packed
@@ -170,7 +154,7 @@ async def test_staged_layout_stages_while_generating_and_switches_versions_at_th
             assert await greedy(engine) == model.greedy(PROMPT, 20)[0]
         assert "stage" in engine.last_update_s  # at least the second (a first one is made whole)
         v = engine.version
-        task = await generating(engine, f"staged-{partial}")
+        task = await streaming(engine, PROMPT, f"staged-{partial}", LONG)
         state = model_b.state_dict()
         await sync_weights(engine, transport, plan_for(state), state.items(), partial=partial)
         assert {"stage", "update", "load", "label", "reset prefix cache"} <= set(engine.last_update_s)
