@@ -123,6 +123,15 @@ def close():
     return assert_close
 
 
+@pytest.fixture
+def example_environments(monkeypatch, request):
+    """examples/environments/ on sys.path (the example verifiers and OpenEnv environments, which
+    are loaded by module name); returns the folder."""
+    folder = request.config.rootpath / "examples" / "environments"
+    monkeypatch.syspath_prepend(str(folder))
+    return folder
+
+
 LONGEST_FIRST = (
     "integration/test_resume.py",
     "integration/test_cli.py",

@@ -71,7 +71,7 @@ def machine_memory(limits: tuple[str, ...] = CGROUP_LIMITS) -> int:
 
 def memory_problem(config: Config, memory_bytes: int) -> str | None:
     """Why the samples the run keeps in flight cannot fit in half of `memory_bytes`, or None."""
-    budget = config.env.max_tokens if config.env.name or config.env.agent else config.sampling.max_tokens
+    budget = config.env.max_tokens if config.env.episodes else config.sampling.max_tokens
     samples = in_flight_samples(config)
     needed = samples * (SAMPLE_BYTES + budget * TOKEN_BYTES)
     if needed <= memory_bytes // 2:
@@ -109,13 +109,7 @@ def training_problems(config: Config, memory_bytes: int | None = None) -> list[s
             f'data.paths: files are read only by data.task = "jsonl" (any dataset file), but the task is '
             f'{config.data.task!r}; set data.task = "jsonl" or remove data.paths'
         )
-    if config.env.name and config.env.agent:
-        problems.append("env.agent: an agent runs the episodes itself; it cannot be combined with env.name")
-    if (config.env.name or config.env.agent) and config.data.template == "raw":
-        problems.append(
-            'data.template: environments and agents render conversations with the chat template; "raw" prompts '
-            f"cannot be used with env.name = {config.env.name!r} / env.agent = {config.env.agent!r}"
-        )
+    problems += episode_problems(config)
     if loss.is_mode in ("mis", "seq_mis") and loss.is_low >= loss.is_high:
         problems.append(
             f"loss.is_low: the kept ratio range [{loss.is_low}, {loss.is_high}] of is_mode = {loss.is_mode!r} is "
@@ -126,7 +120,7 @@ def training_problems(config: Config, memory_bytes: int | None = None) -> list[s
             f"engine.max_loras: {engine.max_loras} adapters cannot hold every version still in use with "
             f"run.max_lag = {config.run.max_lag} (at least max_lag + 2 = {config.run.max_lag + 2}; 0 picks that)"
         )
-    budget = config.env.max_tokens if config.env.name or config.env.agent else config.sampling.max_tokens
+    budget = config.env.max_tokens if config.env.episodes else config.sampling.max_tokens
     if config.rollout.overlong == "soft" and not 0 < config.rollout.overlong_buffer < budget:
         problems.append(
             f'rollout.overlong_buffer: the "soft" penalty needs a buffer between 1 and the token budget - 1 '
@@ -134,8 +128,43 @@ def training_problems(config: Config, memory_bytes: int | None = None) -> list[s
         )
     if config.run.eval_every and not config.run.eval_prompts:
         problems.append("run.eval_every: evaluating during training needs held-out prompts (run.eval_prompts > 0)")
-    if config.run.eval_pass_k and not config.run.eval_every:
-        problems.append("run.eval_pass_k: pass@k is measured by the evaluations during training (run.eval_every > 0)")
+    if config.run.eval_pass_k and not config.run.eval_prompts:
+        problems.append("run.eval_pass_k: pass@k is measured on the held-out prompts (run.eval_prompts > 0)")
     if config.run.weight_transport == "nccl" and engine.weight_transfer != "nccl":
         problems.append('run.weight_transport: "nccl" needs the engine started with engine.weight_transfer = "nccl"')
+    return problems
+
+
+def episode_problems(config: Config) -> list[str]:
+    """What cannot work in the episode settings (`env.*`): two sources of episodes at once,
+    settings of one source given without it, raw prompts, evaluation that cannot apply."""
+    env, problems = config.env, []
+    sources = env.sources
+    if len(sources) > 1:
+        named = ", ".join(f"env.{key} = {value!r}" for key, value in sources.items())
+        problems.append(f"env: one source of episodes at a time, got {named}")
+    if sources and config.data.template == "raw":
+        problems.append(
+            'data.template: environments and agents render conversations with the chat template; "raw" prompts '
+            f"cannot be used with {', '.join(f'env.{key}' for key in sources)}"
+        )
+    if env.verifiers_args and not env.verifiers:
+        problems.append("env.verifiers_args: set without env.verifiers")
+    openenv_keys = ("openenv_url", "openenv_server", "openenv_action", "openenv_observation")
+    for key in openenv_keys:
+        if getattr(env, key) and not env.openenv:
+            problems.append(f"env.{key}: set without env.openenv")
+    if env.openenv and bool(env.openenv_url) == bool(env.openenv_server):
+        problems.append(
+            "env.openenv: give the server's address (env.openenv_url) or the app rollflow serves (env.openenv_server), "
+            "one of them"
+        )
+    if env.verifiers and config.data.paths:
+        problems.append("data.paths: a verifiers environment brings its own dataset (env.verifiers); remove data.paths")
+    for key in ("verifiers", "openenv"):
+        if getattr(env, key) and config.run.eval_prompts:
+            problems.append(
+                f"run.eval_prompts: held-out evaluation scores single turns of data.task with run.reward, which does "
+                f"not apply to env.{key} episodes; set run.eval_prompts = 0 (the rewards per step are in metrics.jsonl)"
+            )
     return problems

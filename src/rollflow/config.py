@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from rollflow.errors import ConfigError
+from rollflow.tasks import REASONING_GYM, check_task
 
 PartialMode = Literal["keep", "resume", "restart"]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -138,8 +139,23 @@ class SamplingConfig(_Section, frozen=True):
 
 
 class DataConfig(_Section, frozen=True):
-    task: Literal["arithmetic", "countdown", "jsonl"] = "arithmetic"
-    """Prompt source: a built-in procedural task with a verifier, or JSONL files."""
+    task: str = "arithmetic"
+    """Prompt source: a built-in procedural task with a verifier (`arithmetic`, `countdown`), any
+    reasoning-gym dataset (`reasoning_gym:NAME`, e.g. `reasoning_gym:chain_sum`, scored by the
+    dataset's own `score_answer`; needs the `reasoning-gym` extra), or dataset files (`jsonl`,
+    with `paths`)."""
+
+    task_config: dict[str, Any] = {}
+    """With `task = "reasoning_gym:NAME"`: the dataset's settings, passed to its config as
+    keyword arguments (e.g. `{min_terms = 2, max_terms = 2, max_digits = 1}` for `chain_sum`);
+    rollflow sets `seed` and `size` itself."""
+
+    answer_from: Literal["tag", "last_line", "last_number", "completion"] = "tag"
+    """With a reasoning-gym task: where the answer that `score_answer` judges is read in a
+    completion: `tag` (the text of its last `<answer>...</answer>`, reasoning-gym's own format;
+    prompts then get reasoning-gym's system prompt asking for it unless `system_prompt` is set),
+    `last_line` (its last non-empty line), `last_number` (its last number) or `completion` (all
+    of it)."""
 
     paths: list[str] = []
     """Dataset files for `task = "jsonl"`: JSONL (one object per line), Parquet, CSV or Arrow
@@ -230,11 +246,56 @@ class EnvConfig(_Section, frozen=True):
     episode_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
     """With `env.agent`: an episode still running after this is ended, unscorable."""
 
+    verifiers: str = ""
+    """A verifiers environment (prime-rl's standard; needs the `verifiers` extra), e.g.
+    `"vf-math-python"`: loaded with verifiers' own `load_environment`, its dataset gives the
+    prompts, and every episode is its own rollout and rubric through the run's OpenAI-compatible
+    endpoint (as with `agent`)."""
+
+    verifiers_args: dict[str, Any] = {}
+    """Keyword arguments of the verifiers environment's `load_environment`."""
+
+    openenv: str = ""
+    """An OpenEnv environment (TRL's standard; needs the `openenv` extra): its client class,
+    `module:ClientClass` (an `EnvClient` subclass). Each episode opens a session with the server
+    (`openenv_url` or `openenv_server`): reset, then one step per model turn."""
+
+    openenv_url: str = ""
+    """With `openenv`: the address of a running OpenEnv server, e.g. `"http://127.0.0.1:8000"`."""
+
+    openenv_server: str = ""
+    """With `openenv`: instead of a URL, the environment's ASGI app `module:app` (what OpenEnv's
+    `create_app` returns), which rollflow serves itself with uvicorn on 127.0.0.1 for the run."""
+
+    openenv_action: str = ""
+    """With `openenv`: a function `module:function` turning the model's turn (text) into an
+    action; empty: the client's action class with its one text field set to the text."""
+
+    openenv_observation: str = ""
+    """With `openenv`: a function `module:function` turning an observation into the text the
+    model reads; empty: the observation's one field, or its fields as JSON."""
+
+    openenv_sessions: PosInt = 8
+    """With `openenv`: sessions rollflow holds with the server at once (an episode holds one from
+    reset to its end and waits for one within `step_timeout_s`); at most the server's
+    `max_concurrent_envs`, which OpenEnv's `create_app` sets to 1 unless told otherwise."""
+
     agent_host: str = "127.0.0.1"
     """With `env.agent`: the address the OpenAI-compatible endpoint listens on."""
 
     agent_port: NonNegInt = 0
     """With `env.agent`: its port (0: a free one)."""
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """The episode sources set (`name`, `agent`, `verifiers`, `openenv`) with their values."""
+        named = {"name": self.name, "agent": self.agent, "verifiers": self.verifiers, "openenv": self.openenv}
+        return {key: value for key, value in named.items() if value}
+
+    @property
+    def episodes(self) -> bool:
+        """Every sample is a multi-turn episode (an environment's or an agent's)."""
+        return bool(self.sources)
 
 
 class LoRAConfig(_Section, frozen=True):
@@ -389,9 +450,10 @@ class RunConfig(_Section, frozen=True):
     """How trainer weights reach the engine after every step (`shm`: same host, shared memory;
     `gloo`: a dedicated process group; `checkpoint`: safetensors files; `nccl`: GPU)."""
 
-    reward: Literal["verifier", "digits"] = "verifier"
-    """`verifier`: the task's answer checker; `digits`: fraction of digit characters (a trivially
-    learnable reward for smoke tests)."""
+    reward: Literal["verifier", "digits", "math_verify"] = "verifier"
+    """`verifier`: the task's answer checker; `math_verify`: math-verify's judgement of the final
+    answer against the row's `answer` (needs the `math-verify` extra); `digits`: fraction of digit
+    characters (a trivially learnable reward for smoke tests). Also what `eval` scores with."""
 
     eval_prompts: NonNegInt = 0
     """Held-out prompts scored greedily before the first and after the last step (0 = skip)."""
@@ -402,8 +464,9 @@ class RunConfig(_Section, frozen=True):
     evaluation itself (0 = only before and after)."""
 
     eval_pass_k: NonNegInt = 0
-    """With `eval_every`: also sample this many completions per held-out prompt (the sampling
-    settings) and report `eval_pass_at_k` (0 = greedy accuracy only)."""
+    """Also sample this many completions per held-out prompt (the sampling settings) at every
+    evaluation, before and after training and with `eval_every` (`eval_pass_at_k` in metrics),
+    and report pass@k (0 = greedy accuracy only)."""
 
     eval_seed: int = 1_000_003
     """Seed of the held-out prompts (different from `data.seed`)."""
@@ -590,8 +653,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "trainer": {"lr": 5e-6, "micro_batch_tokens": 2048},
         "run": {"max_steps": 15, "groups_per_step": 4, "max_lag": 1, "reward": "verifier", "eval_prompts": 64},
     },
+    "reasoning": {
+        "model": {"path": "smollm2-135m-instruct"},
+        "engine": {"max_model_len": 512},
+        "sampling": {"max_tokens": 32},
+        "data": {
+            "task": "reasoning_gym:chain_sum",
+            "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
+            "answer_from": "last_number",
+        },
+        "rollout": {"group_size": 8},
+        "trainer": {"lr": 5e-6, "micro_batch_tokens": 2048},
+        "run": {
+            "max_steps": 16,
+            "groups_per_step": 4,
+            "max_lag": 1,
+            "reward": "verifier",
+            "eval_prompts": 64,
+            "eval_pass_k": 4,
+        },
+    },
 }
-"""Built-in starting points: `tiny` for smoke tests, `default` for the README's main job."""
+"""Built-in starting points: `tiny` for smoke tests, `default` for the README's main job,
+`reasoning` for a reasoning-gym task (chain_sum) on SmolLM2-135M-Instruct."""
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -708,6 +792,15 @@ def config_from_dict(data: dict[str, Any], *, source: str = "config") -> Config:
             '(set it to run.max_steps, or use schedule = "constant")'
         )
     data_cfg = config.data
+    try:
+        check_task(data_cfg.task)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    if data_cfg.task_config and not data_cfg.task.startswith(REASONING_GYM):
+        raise ConfigError(
+            f'{source}: data.task_config: only read by reasoning-gym tasks (data.task = "reasoning_gym:NAME"), '
+            f"but the task is {data_cfg.task!r}"
+        )
     for column, target in data_cfg.columns.items():
         if target not in ("prompt", "messages", "answer", "id", "task"):
             raise ConfigError(

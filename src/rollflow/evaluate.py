@@ -1,7 +1,9 @@
-"""Sample completions for a set of prompts and score them with the task's verifier.
+"""Sample completions for a set of prompts and score them with the run's reward.
 
-This is the smallest end-to-end path through rollflow (sampler -> engine -> rollout -> verifier)
-and the yardstick for training: accuracy on held-out prompts before and after. It trains
+This is the smallest end-to-end path through rollflow (sampler -> engine -> rollout -> scorer)
+and the yardstick for training: accuracy on held-out prompts before and after. Scoring goes
+through a `Scorer` like training's, so a checker that raises, hangs or returns garbage makes
+its sample unscorable (counted, and not correct) instead of ending the evaluation. It trains
 nothing and keeps no state between calls.
 """
 
@@ -16,12 +18,11 @@ import msgspec
 
 from rollflow.config import Config
 from rollflow.engine import Engine
+from rollflow.errors import UserInputError
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout
-from rollflow.tasks import verify
-
-ScoreFn = Callable[[Prompt, str], tuple[float | None, str | None]]
-"""(prompt, completion text) -> (reward, None) or (None, why it is unscorable)."""
+from rollflow.scoring import Scored, Scorer, eval_scorer
+from rollflow.tasks import REASONING_GYM
 
 
 class EvalReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,6 +38,9 @@ class EvalReport(msgspec.Struct, frozen=True, kw_only=True):
     wall_s: float
     examples: list[tuple[str, str, float]]
     """(question, completion text, reward) for the first few samples."""
+    unscorable: int = 0
+    """Samples the reward could not score (counted as not correct), with `reasons` for them."""
+    reasons: dict[str, int] = {}
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,38 +63,43 @@ async def evaluate(
     *,
     samples_per_prompt: int,
     decode: Callable[[list[int]], str],
+    scorer: Scorer,
     on_sample: Callable[[Sample], None] | None = None,
     num_examples: int = 3,
-    score: Callable[[Prompt, str], float | None] | None = None,
 ) -> EvalReport:
-    """Generate `samples_per_prompt` completions per prompt concurrently and score them
-    (with the task verifier, or `score`)."""
+    """Generate `samples_per_prompt` completions per prompt concurrently and score each prompt's
+    completions with `scorer` (an unscorable sample counts as not correct)."""
     began = time.monotonic()
 
-    async def one(prompt: Prompt, index: int) -> tuple[Prompt, Sample]:
+    async def one(prompt: Prompt, index: int) -> Sample:
         sample = await rollout(engine, prompt, sampling, group_id=f"eval-{prompt.id}", index=index)
         if on_sample is not None:
             on_sample(sample)
-        return prompt, sample
+        return sample
+
+    async def group(prompt: Prompt) -> tuple[Prompt, list[str], list[Sample], list[Scored]]:
+        samples = await asyncio.gather(*(one(prompt, i) for i in range(samples_per_prompt)))
+        texts = [decode(s.completion_token_ids) for s in samples]
+        return prompt, texts, samples, await scorer.score(prompt, texts, [s.completion_token_ids for s in samples])
 
     async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(one(p, i), name=f"eval-{p.id}-{i}") for p in prompts for i in range(samples_per_prompt)]
-    results = [t.result() for t in tasks]
+        tasks = [tg.create_task(group(p), name=f"eval-{p.id}") for p in prompts]
     wall = time.monotonic() - began
     rewards: dict[str, list[float]] = {}
     examples: list[tuple[str, str, float]] = []
+    reasons: dict[str, int] = {}
     tokens = 0
-    for prompt, sample in results:
-        text = decode(sample.completion_token_ids)
-        if score is None:
-            reward = verify(prompt.task, text, prompt.answer, prompt.metadata)
-        else:
-            reward = score(prompt, text) or 0.0  # an unscorable eval sample counts as not correct
-        rewards.setdefault(prompt.id, []).append(reward)
-        tokens += sample.num_tokens
-        if len(examples) < num_examples:
-            question = prompt.messages[-1].content if prompt.messages else ""
-            examples.append((question, text, reward))
+    for task in tasks:
+        prompt, texts, samples, scored = task.result()
+        for text, sample, result in zip(texts, samples, scored, strict=True):
+            reward = 0.0 if result.reward is None else result.reward
+            if result.reason is not None:
+                reasons[result.reason] = reasons.get(result.reason, 0) + 1
+            rewards.setdefault(prompt.id, []).append(reward)
+            tokens += sample.num_tokens
+            if len(examples) < num_examples:
+                question = prompt.messages[-1].content if prompt.messages else ""
+                examples.append((question, text, reward))
     flat = [r for rs in rewards.values() for r in rs]
     return EvalReport(
         prompts=len(prompts),
@@ -100,14 +109,20 @@ async def evaluate(
         tokens=tokens,
         wall_s=wall,
         examples=examples,
+        unscorable=sum(reasons.values()),
+        reasons=reasons,
     )
 
 
 def held_out_prompts(config: Config, tokenizer: Any, n: int) -> list[Prompt]:
     """`n` prompts drawn with `run.eval_seed` (the same ones at every evaluation of a run)."""
     from rollflow.models import prompt_encoder
-    from rollflow.sampler import Sampler
+    from rollflow.sampler import HELD_OUT_ITEMS, Sampler
 
+    if config.data.task.startswith(REASONING_GYM) and n > HELD_OUT_ITEMS:
+        raise UserInputError(
+            f"held-out prompts: at most {HELD_OUT_ITEMS:,} of a reasoning-gym task are held out, not {n:,}"
+        )
     held_out = Sampler(
         msgspec.structs.replace(config.data, seed=config.run.eval_seed), prompt_encoder(tokenizer, config.data)
     )
@@ -128,12 +143,19 @@ class HeldOut(msgspec.Struct, frozen=True, kw_only=True):
             "accuracy": self.greedy.accuracy,
             "tokens": self.greedy.tokens,
             "wall_s": self.greedy.wall_s,
+            "unscorable": self.greedy.unscorable,
         }
         if self.sampled is not None:
             k = self.sampled.samples // max(self.sampled.prompts, 1)
             out |= {"k": k, "pass_at_k": self.sampled.pass_at_group, "sample_accuracy": self.sampled.accuracy}
             out["tokens"] += self.sampled.tokens
             out["wall_s"] += self.sampled.wall_s
+            out["unscorable"] += self.sampled.unscorable
+        reasons = dict(self.greedy.reasons)
+        for reason, count in (self.sampled.reasons if self.sampled is not None else {}).items():
+            reasons[reason] = reasons.get(reason, 0) + count
+        if reasons:
+            out["unscorable_reasons"] = reasons
         return out
 
 
@@ -141,14 +163,14 @@ async def evaluate_held_out(
     engine: Engine,
     config: Config,
     tokenizer: Any,
-    score: ScoreFn,
+    scorer: Scorer,
     *,
     prompts: int | None = None,
     pass_k: int = 0,
     on_sample: Callable[[Sample], None] | None = None,
 ) -> HeldOut:
     """Greedy accuracy on `prompts` (default `run.eval_prompts`) held-out prompts, and pass@k
-    with `pass_k` samples per prompt when > 0; `score(prompt, text)` returns (reward, ...)."""
+    with `pass_k` samples per prompt when > 0, scored by `scorer`."""
     chosen = held_out_prompts(config, tokenizer, config.run.eval_prompts if prompts is None else prompts)
 
     def run(spec: SamplingSpec, k: int) -> Awaitable[EvalReport]:
@@ -158,7 +180,7 @@ async def evaluate_held_out(
             spec,
             samples_per_prompt=k,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            score=lambda p, text: score(p, text)[0],
+            scorer=scorer,
             on_sample=on_sample,
         )
 
@@ -178,11 +200,12 @@ async def held_out_report(
 ) -> dict[str, Any]:
     """What `python -m rollflow eval` prints: the model, task and reward, and the held-out scores
     on `engine` (scored with `run.reward`)."""
-    from rollflow.scoring import make_scorer
-
-    scorer = make_scorer(config.run.reward)
-    held_out = await evaluate_held_out(
-        engine, config, tokenizer, scorer, prompts=prompts, pass_k=pass_k, on_sample=on_sample
-    )
+    scorer = eval_scorer(config)
+    try:
+        held_out = await evaluate_held_out(
+            engine, config, tokenizer, scorer, prompts=prompts, pass_k=pass_k, on_sample=on_sample
+        )
+    finally:
+        await scorer.aclose()
     report = {"model": config.model.path, "task": config.data.task, "reward": config.run.reward}
     return report | {"eval_seed": config.run.eval_seed} | held_out.as_dict()

@@ -6,7 +6,9 @@ remembers where it is (`state_dict` / `load_state_dict`), so a resumed run conti
 next prompt, never repeating or skipping one. Every prompt has a stable id:
 `<task>-<seed>-<index>` for procedural tasks, the row's `id` or `<file>:<line or row>` for
 files. All rows are validated when the sampler is built, so a bad row fails the run before any
-work starts. The sampler does not score, batch or track what was trained.
+work starts. A training sampler of a reasoning-gym task skips the items held out for
+evaluation (`held_out_seed`), so the two never share a problem. The sampler does not score,
+batch or track what was trained.
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ from rollflow.config import DataConfig
 from rollflow.data_files import ROLES, Row, read_rows
 from rollflow.errors import DataError
 from rollflow.records import Message, Prompt
-from rollflow.tasks import PROBLEMS
+from rollflow.tasks import REASONING_GYM, problem_source
 
-__all__ = ["ROLES", "Encode", "Sampler", "read_jsonl"]
+__all__ = ["HELD_OUT_ITEMS", "ROLES", "Encode", "Sampler", "read_jsonl"]
 
 Encode = Callable[[list[Message]], list[int]]
 """Chat messages -> prompt token ids (the model's chat template with a generation prompt)."""
+
+
+HELD_OUT_ITEMS = 100_000
+"""Items of a reasoning-gym stream, from `run.eval_seed` on, that are held out for evaluation:
+the held-out prompts are items `eval_seed`, `eval_seed + 1`, ... of the dataset (reasoning-gym
+makes item i of seed s from s + i), and a training stream skips every item in that window."""
 
 
 def read_jsonl(paths: list[str]) -> list[Row]:
@@ -34,10 +42,21 @@ def read_jsonl(paths: list[str]) -> list[Row]:
 class Sampler:
     """An endless, seeded stream of prompts that can be checkpointed and resumed."""
 
-    def __init__(self, config: DataConfig, encode: Encode) -> None:
+    def __init__(
+        self, config: DataConfig, encode: Encode, *, rows: list[Row] | None = None, held_out_seed: int | None = None
+    ) -> None:
+        """`rows`: the prompts' rows, given instead of read from `config` (an environment's own
+        dataset). `held_out_seed`: a reasoning-gym training stream skips the items held out for
+        evaluation from that seed (`HELD_OUT_ITEMS`)."""
         self._config = config
         self._encode = encode
-        self._rows = read_rows(config.paths, config.columns, config.split) if config.task == "jsonl" else None
+        if rows is None and config.task == "jsonl":
+            rows = read_rows(config.paths, config.columns, config.split)
+        self._rows = rows
+        self._source = problem_source(config) if rows is None else None
+        self._skip: range | None = None
+        if held_out_seed is not None and config.task.startswith(REASONING_GYM):
+            self._skip = range(held_out_seed - config.seed, held_out_seed - config.seed + HELD_OUT_ITEMS)
         if config.template == "raw":
             for row in self._rows or []:
                 if [m.role for m in row.messages] != ["user"]:
@@ -45,7 +64,8 @@ class Sampler:
                         f'{row.source}: data.template = "raw" feeds one prompt text; this row\'s messages have '
                         f"roles {[m.role for m in row.messages]} (give `prompt`, or one user message)"
                     )
-        self._system = [Message(role="system", content=config.system_prompt)] if config.system_prompt else []
+        system = config.system_prompt or (self._source.system_prompt if self._source is not None else "")
+        self._system = [Message(role="system", content=system)] if system else []
         self.epoch = 0
         self.position = 0
         """Index of the next prompt within the current epoch (procedural tasks: overall)."""
@@ -71,8 +91,10 @@ class Sampler:
     def next(self) -> Prompt:
         """The next prompt; advances the position."""
         cfg = self._config
-        if self._rows is None:
-            problem = PROBLEMS[cfg.task](cfg.seed, self.position, cfg.max_operand)
+        if self._source is not None:
+            if self._skip is not None and self.position in self._skip:
+                self.position = self._skip.stop
+            problem = self._source(cfg.seed, self.position)
             row = Row(
                 id=f"{cfg.task}-{cfg.seed}-{self.position}",
                 messages=[Message(role="user", content=problem.question)],
@@ -81,6 +103,7 @@ class Sampler:
                 metadata=problem.metadata,
             )
         else:
+            assert self._rows is not None
             if self.position >= len(self._rows):
                 self.epoch, self.position = self.epoch + 1, 0
             row = self._rows[self._order(self.epoch)[self.position]]

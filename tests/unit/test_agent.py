@@ -16,7 +16,8 @@ from rollflow.agent import AgentEpisode, AgentServer, run_agent
 from rollflow.batch import build_batch
 from rollflow.envs import ChatFormat, EpisodeLimits
 from rollflow.models import load_tokenizer, tiny_model_path
-from rollflow.records import Group, Message, Prompt, Sample, SamplingSpec
+from rollflow.records import Group, Message, Prompt, SamplingSpec
+from rollflow.testing import ScriptedTurns
 
 SPEC = SamplingSpec(temperature=1.0, max_tokens=64)
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
@@ -27,28 +28,9 @@ def chat():
     return ChatFormat(load_tokenizer(tiny_model_path(0)))
 
 
-class Script:
-    """The model's turns, in order: each a text whose tokens (and the end-of-turn token) are
-    "sampled" with log-prob -0.1 × position and the version in `version`."""
-
-    def __init__(self, chat: ChatFormat, turns: list[str]) -> None:
-        self.chat, self.turns, self.seen, self.version = chat, list(turns), [], 0
-
-    async def __call__(self, token_ids: list[int], spec: SamplingSpec, n: int) -> Sample:
-        self.seen.append(list(token_ids))
-        ids = self.chat.tokens(self.turns.pop(0))[: spec.max_tokens - 1]
-        ids.append(self.chat.tokenizer.eos_token_id)
-        await asyncio.sleep(0)
-        return Sample(
-            prompt_id="p", group_id="g", index=0, prompt_token_ids=token_ids, completion_token_ids=ids,
-            logprobs=[-0.1 * i for i in range(len(ids))], versions=[self.version] * len(ids),
-            loss_mask=[1] * len(ids), finish_reason="stop", sampling=spec,
-        )
-
-
-def episode(chat, turns, **limits) -> tuple[AgentEpisode, Script]:
+def episode(chat, turns, **limits) -> tuple[AgentEpisode, ScriptedTurns]:
     prompt = Prompt(id="p1", token_ids=[1], messages=[Message(role="user", content="What is 2 + 3?")], answer="5")
-    script = Script(chat, turns)
+    script = ScriptedTurns(chat, turns)
     return AgentEpisode(prompt, SPEC, script, chat, EpisodeLimits(**({"max_tokens": 512} | limits))), script
 
 
@@ -399,3 +381,16 @@ async def test_a_run_whose_agents_all_fail_stops_naming_the_reason(tmp_path):
         await asyncio.wait_for(controller.run(), 60)
     assert "agent: raised KeyError: 'answer' ×16" in str(raised.value)
     assert list((tmp_path / "checkpoints").glob("step-*"))
+
+
+class _AgentObject:
+    """An agent written as an object whose `__call__` is a coroutine function."""
+
+    async def __call__(self, task, base_url):
+        return await calculator_agent(task, base_url)
+
+
+async def test_an_agent_object_with_an_async_call_is_awaited(chat, server):
+    ep, _ = episode(chat, [CALL, "5"])
+    sample = await run_agent(_AgentObject(), ep, server, group_id="g0", index=0, timeout_s=30)
+    assert sample.unscorable is None and sample.process_rewards == [(sample.num_tokens - 1, 1.0)]

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from rollflow.__main__ import _model_config, build_parser
+from rollflow.cli import build_parser
+from rollflow.cli.model import model_config
 from rollflow.config import dump_config, load_config
 from rollflow.errors import UserInputError
 
@@ -25,21 +26,21 @@ def finished_run(tmp_path, *overrides: str):
 def test_run_takes_its_config_and_its_final_model(tmp_path):
     run = finished_run(tmp_path, "sampling.max_tokens=40")
     (run / "final" / "config.json").write_text("{}")
-    config = _model_config(parse("--run", str(run)))
+    config = model_config(parse("--run", str(run)))
     assert config.model.path == str(run / "final") and config.sampling.max_tokens == 40
     other = tmp_path / "other model"
-    assert _model_config(parse("--run", str(run), "--model", str(other))).model.path == str(other)
-    assert _model_config(parse("--preset", "tiny", "--model", str(other))).model.path == str(other)
+    assert model_config(parse("--run", str(run), "--model", str(other))).model.path == str(other)
+    assert model_config(parse("--preset", "tiny", "--model", str(other))).model.path == str(other)
 
 
 def test_run_errors_name_the_fix(tmp_path):
     run = finished_run(tmp_path)
     with pytest.raises(UserInputError, match="no trained model in .*final .the run did not finish"):
-        _model_config(parse("--run", str(run)))
+        model_config(parse("--run", str(run)))
     (run / "final" / "adapter_config.json").write_text(json.dumps({"r": 8}))
     with pytest.raises(UserInputError, match=r"its final/ is a LoRA adapter; .*export .* --merged"):
-        _model_config(parse("--run", str(run)))
+        model_config(parse("--run", str(run)))
     with pytest.raises(UserInputError, match="takes the run's own config.toml"):
-        _model_config(parse("--run", str(run), "--preset", "tiny"))
+        model_config(parse("--run", str(run), "--preset", "tiny"))
     with pytest.raises(UserInputError, match="not a rollflow run directory"):
-        _model_config(parse("--run", str(tmp_path / "nothing")))
+        model_config(parse("--run", str(tmp_path / "nothing")))

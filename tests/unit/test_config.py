@@ -111,9 +111,13 @@ def test_the_cli_refuses_greedy_training_with_exit_code_2(tmp_path, capsys, monk
         (["run.weight_transport=nccl"], 'run.weight_transport: "nccl" needs'),
         (["run.eval_every=5"], r"run.eval_every: evaluating during training needs held-out prompts"),
         (['env.name="calculator"', 'data.template="raw"'], r"data.template: environments and agents render"),
-        (['env.name="calculator"', 'env.agent="m:f"'], r"env.agent: an agent runs the episodes itself"),
+        (['env.name="calculator"', 'env.agent="m:f"'], r"env: one source of episodes at a time, got env.name"),
         (["rollout.overlong=soft"], r'rollout.overlong_buffer: the "soft" penalty needs a buffer between 1 and'),
-        (["run.eval_prompts=8", "run.eval_pass_k=4"], r"run.eval_pass_k: pass@k is measured by the evaluations"),
+        (["run.eval_pass_k=4"], r"run.eval_pass_k: pass@k is measured on the held-out prompts"),
+        (['env.openenv="m:C"'], r"env.openenv: give the server's address \(env.openenv_url\) or the app"),
+        (['env.openenv_url="http://127.0.0.1:1"'], r"env.openenv_url: set without env.openenv"),
+        (['env.verifiers="vf-sums"', 'data.paths=["a.jsonl"]', "data.task=jsonl"],
+         r"data.paths: a verifiers environment"),
     ],
 )
 def test_combinations_that_cannot_work_are_refused_for_training_naming_the_keys(tmp_path, overrides, words):

@@ -15,7 +15,7 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import asyncio, sys, time
-    from rollflow.__main__ import stop_on_signals
+    from rollflow.cli.train import stop_on_signals
 
     async def main(block):
         loop = asyncio.get_running_loop()

@@ -10,25 +10,38 @@ and messages masked out of the loss.
 The agent's return value is the episode's reward (the part `env`); None leaves scoring to
 `[[scoring.rewards]]`, which read the episode's last conversation as the completion. An agent that
 raises, returns something other than a finite number or None, or runs past `env.episode_timeout_s`
-makes its episode unscorable with the reason; the run goes on. This module does not generate
-(the producer's `generate` does) or score.
+makes its episode unscorable with the reason; the run goes on. A verifiers environment
+(`env.verifiers`) is such an agent too (`rollflow.agent.verifiers`), with its own prompts. This
+module does not generate (the producer's `generate` does) or score.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
 from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
 from rollflow.agent.server import AgentServer
+from rollflow.config import EnvConfig
+from rollflow.data_files import Row
 from rollflow.records import Prompt, Sample
+from rollflow.scoring import is_async
 
-__all__ = ["AgentEpisode", "AgentServer", "AgentTask", "BadRequest", "Reply", "load_agent", "run_agent"]
+__all__ = [
+    "AgentEpisode",
+    "AgentServer",
+    "AgentTask",
+    "BadRequest",
+    "PromptSource",
+    "Reply",
+    "agent_source",
+    "load_agent",
+    "run_agent",
+]
 
 Agent = Callable[..., Any]
 """`agent(task: AgentTask, base_url: str) -> float | None`, sync or async."""
@@ -73,6 +86,25 @@ def load_agent(name: str) -> Agent:
     return load_function(name, "env.agent")
 
 
+def agent_source(config: EnvConfig) -> Agent | None:
+    """The agent the config names: `env.agent`, or a verifiers environment (`env.verifiers`,
+    whose rollouts play the episodes), or None."""
+    if config.agent:
+        return load_agent(config.agent)
+    if config.verifiers:
+        from rollflow.agent.verifiers import VerifiersEnv
+
+        return VerifiersEnv(config.verifiers, config.verifiers_args)
+    return None
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """An agent that brings its own prompts (a verifiers environment's dataset)."""
+
+    def rows(self) -> list[Row]: ...
+
+
 async def run_agent(
     agent: Agent,
     episode: AgentEpisode,
@@ -89,7 +121,7 @@ async def run_agent(
     failure: str | None = None
     reward: float | None = None
     try:
-        if inspect.iscoroutinefunction(agent):
+        if is_async(agent):
             result = await asyncio.wait_for(agent(task, base_url), timeout_s)
         else:
             result = await asyncio.wait_for(asyncio.to_thread(agent, task, base_url), timeout_s)

@@ -18,7 +18,14 @@ class RunResult(msgspec.Struct):
     trained_prompts: int
     dropped: dict[str, int]
     eval_before: EvalReport | None = None
+    """Greedy accuracy on the held-out prompts before the first step (`run.eval_prompts`)."""
     eval_after: EvalReport | None = None
+    """The same after the last step."""
+    pass_before: EvalReport | None = None
+    """With `run.eval_pass_k`: k sampled completions per held-out prompt before the first step
+    (`pass_at_group` is pass@k)."""
+    pass_after: EvalReport | None = None
+    """The same after the last step."""
     engine_busy_s: float = 0.0
     """Wall time with at least one group generating."""
     first_step: int = 0

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollflow.agent import Agent, load_agent
+from rollflow.agent import Agent, PromptSource, agent_source
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState, rng_state, set_rng_state
 from rollflow.checks import check_training
@@ -33,10 +33,11 @@ from rollflow.controller.training import TrainingLoop
 from rollflow.controller.weights import AdapterWeights, FullWeights, WeightPublisher, WeightStrategy
 from rollflow.engine import ManagedEngine
 from rollflow.engine.factory import check_engines
-from rollflow.envs import EnvFactory, load_environment
+from rollflow.envs import EnvFactory, Served, environment_source
 from rollflow.evaluate import HeldOut, evaluate_held_out, sampling_spec
 from rollflow.rundir import OwnedRun
-from rollflow.scoring import RewardFunc, Scorer, make_rewards, make_scorer
+from rollflow.scoring import RewardFunc, Scorer, eval_scorer, make_rewards
+from rollflow.tasks import check_source
 from rollflow.trace import Trace
 from rollflow.trainer import TrainerBackend
 from rollflow.weight_sync import WeightTransport
@@ -51,6 +52,7 @@ class Controller:
     admission: Admission
     buffer: GroupBuffer
     scorer: Scorer
+    eval_scorer: Scorer
     env: EnvFactory | None
     # ---- set by setup()
     parts: Components
@@ -96,6 +98,8 @@ class Controller:
         run's OpenAI-compatible endpoint (default: the function `env.agent` names)."""
         check_training(config)
         check_engines(config)
+        if agent is None and not config.env.verifiers:  # a verifiers environment brings its own prompts
+            check_source(config.data)
         self.config = config
         self.output_dir = Path(output_dir)
         self.on_step = on_step
@@ -104,18 +108,16 @@ class Controller:
         self._given = Given(engine, engine_factory, trainer, runner, transport, tokenizer)
         self.admission = Admission(config.run.groups_per_step * config.rollout.group_size, config.run.max_lag)
         self.buffer = GroupBuffer()
-        if env is None and config.env.name:
-            env = load_environment(config.env.name, tool_timeout_s=config.env.tool_timeout_s)
-        self.env = env
+        self.env = env if env is not None else environment_source(config.env)
         """Makes each episode's environment; None: single-turn samples."""
-        if agent is None and config.env.agent:
-            agent = load_agent(config.env.agent)
-        self.agent = agent
+        self.agent = agent if agent is not None else agent_source(config.env)
         """Runs each episode against the run's OpenAI-compatible endpoint (`rollflow.agent`)."""
-        episodes = env is not None or agent is not None
-        rewards = make_rewards(config.scoring, config.run.reward, reward_funcs, env=episodes)
+        episodes = self.env is not None or self.agent is not None
+        rewards = make_rewards(config.scoring, config.run.reward, reward_funcs, env=episodes, task=config.data.task)
         self.scorer = Scorer(rewards, max_concurrency=config.scoring.max_concurrency)
         """Every training reward, run on whole groups beside generation."""
+        self.eval_scorer = eval_scorer(config)
+        """Scores held-out evaluations with `run.reward`."""
         self._stop = asyncio.Event()
         self.stall = StallWatch(
             config.run.max_dropped_in_a_row or 4 * config.run.groups_per_step,
@@ -175,12 +177,14 @@ class Controller:
         self.outputs = out = Outputs(self.output_dir, cfg, began)
         self.trace = out.trace
         try:
+            await self._start_sources()
             out.waiting(f"loading {cfg.model.path} for the trainer")
             await self.setup()
         except BaseException:
+            await self._close_sources()
             out.close()
             raise
-        eval_before = eval_after = final = None
+        before = after = final = None
         frozen = False
         try:
             if resumed is not None:
@@ -190,7 +194,7 @@ class Controller:
             await self.weights.strategy.prepare(self.engine)
             await self.producer.start()
             if cfg.run.eval_prompts and resumed is None:
-                eval_before = (await self._evaluate()).greedy
+                before = await self._evaluate(cfg.run.eval_pass_k)
             if cfg.run.gc_freeze:
                 # No gc.collect() first: a full collection of the startup heap costs a fixed
                 # 0.1-0.3 s; garbage frozen with the rest is collected after the run unfreezes.
@@ -208,7 +212,7 @@ class Controller:
                 out.waiting("writing the trained model to final/")
                 final = await self.checkpointer.export_final(self.parts.policy_base, lora=cfg.trainer.lora.enabled)
             if cfg.run.eval_prompts and not self._stop.is_set():
-                eval_after = (await self._evaluate()).greedy
+                after = await self._evaluate(cfg.run.eval_pass_k)
         finally:
             if frozen:
                 gc.unfreeze()
@@ -221,8 +225,10 @@ class Controller:
             metrics=training.metrics,
             trained_prompts=self.accounting.trained,
             dropped=dict(self.accounting.dropped),
-            eval_before=eval_before,
-            eval_after=eval_after,
+            eval_before=before.greedy if before else None,
+            eval_after=after.greedy if after else None,
+            pass_before=before.sampled if before else None,
+            pass_after=after.sampled if after else None,
             engine_busy_s=self.producer.engine_busy_s,
             first_step=training.first_step,
             stopped=self._stop.is_set(),
@@ -254,9 +260,27 @@ class Controller:
 
     # ---- setup and teardown ------------------------------------------------------------------
 
+    def _sources(self) -> list[Served]:
+        sources: list[object] = [self.env, self.agent]
+        return [source for source in sources if isinstance(source, Served)]
+
+    async def _start_sources(self) -> None:
+        """Start what the episodes need for the whole run (an OpenEnv server, or check that one
+        answers) before anything heavy loads, so a bad address fails in seconds."""
+        for source in self._sources():
+            self.outputs.waiting(f"starting {type(source).__name__}")
+            await source.start()
+
+    async def _close_sources(self) -> None:
+        for source in self._sources():
+            await source.aclose()
+
     async def setup(self) -> None:
         """Build every component and wire them; nothing starts running here."""
-        parts = await build(self.config, self._given, multi_turn=self.env is not None or self.agent is not None)
+        rows = self.agent.rows() if isinstance(self.agent, PromptSource) else None
+        parts = await build(
+            self.config, self._given, multi_turn=self.env is not None or self.agent is not None, rows=rows
+        )
         cfg = self.config = parts.config
         self.parts = parts
         self.accounting = Accounting(self.outputs.ledger)
@@ -326,8 +350,10 @@ class Controller:
         """Account for every prompt, then release ranks, threads, scorers, transport and engine."""
         self._settle()
         await self.producer.aclose()
+        await self._close_sources()
         await self.parts.runner.aclose()
         await self.scorer.aclose()
+        await self.eval_scorer.aclose()
         await self.parts.transport.aclose()
         await self.supervisor.aclose()
         self.outputs.close()
@@ -398,8 +424,7 @@ class Controller:
 
     async def _evaluate(self, pass_k: int = 0) -> HeldOut:
         self.outputs.waiting(f"scoring {self.config.run.eval_prompts} held-out prompts")
-        scorer = make_scorer(self.config.run.reward)
-        return await evaluate_held_out(self.engine, self.config, self.parts.tokenizer, scorer, pass_k=pass_k)
+        return await evaluate_held_out(self.engine, self.config, self.parts.tokenizer, self.eval_scorer, pass_k=pass_k)
 
 
 async def train(

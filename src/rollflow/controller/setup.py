@@ -19,6 +19,7 @@ import msgspec
 from rollflow.checks import context_problem
 from rollflow.config import Config
 from rollflow.controller.trainer_thread import TrainerRunner, TrainerThread
+from rollflow.data_files import Row
 from rollflow.engine import ManagedEngine
 from rollflow.engine.environment import model_context, resolve_context
 from rollflow.engine.factory import make_engine
@@ -72,9 +73,10 @@ def with_context(config: Config, model_path: Path) -> Config:
     return msgspec.structs.replace(config, engine=engine)
 
 
-async def build(config: Config, given: Given, *, multi_turn: bool) -> Components:
+async def build(config: Config, given: Given, *, multi_turn: bool, rows: list[Row] | None = None) -> Components:
     """The tokenizer, sampler, trainer, teacher, engine and transport: given ones or built
-    from the config (the trainer and teacher load in a thread; the loop keeps running)."""
+    from the config (the trainer and teacher load in a thread; the loop keeps running).
+    `rows`: the prompts, when the episodes bring their own (a verifiers environment's dataset)."""
     needs_model = given.tokenizer is None or given.engine is None or (given.trainer is None and given.runner is None)
     model_path = resolve_model(config.model.path) if needs_model else Path(config.model.path)
     config = with_context(config, model_path)
@@ -107,7 +109,9 @@ async def build(config: Config, given: Given, *, multi_turn: bool) -> Components
         engine = factory()
     return Components(
         tokenizer=tokenizer,
-        sampler=Sampler(config.data, prompt_encoder(tokenizer, config.data)),
+        sampler=Sampler(
+            config.data, prompt_encoder(tokenizer, config.data), rows=rows, held_out_seed=config.run.eval_seed
+        ),
         chat=ChatFormat(tokenizer) if multi_turn else None,
         runner=runner,
         teacher=teacher,

@@ -14,7 +14,8 @@ episode interrupted by an update resumes at its turn boundary with every earlier
 
 Environment failures are the episode's, not the run's: a `step` that raises or runs past
 `step_timeout_s` ends the episode as unscorable with the reason. Built-in environments:
-`calculator` (tool calls, `rollflow.envs.calculator`) and `retry` (`rollflow.envs.retry`).
+`calculator` (tool calls, `rollflow.envs.calculator`) and `retry` (`rollflow.envs.retry`);
+OpenEnv environments come through `rollflow.envs.openenv`.
 `episode_score` hands an episode's rewards to scoring (`Scorer.score`'s `prior`). This module
 does not run reward functions (see `rollflow.scoring`) or generate (the caller's `generate` does).
 """
@@ -29,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
+from rollflow.config import EnvConfig
 from rollflow.errors import ConfigError
 from rollflow.records import Message, Prompt, Sample, SamplingSpec
 from rollflow.scoring import Scored
@@ -72,6 +74,17 @@ class Environment(Protocol):
 
 EnvFactory = Callable[[], Environment]
 """Makes one environment per episode."""
+
+
+@runtime_checkable
+class Served(Protocol):
+    """An episode source that holds something for the whole run (a server it started, a
+    connection pool): the controller starts it before the run's first episode and closes it at
+    the end, however the run ends."""
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
 
 
 class ChatFormat:
@@ -301,3 +314,26 @@ def load_environment(name: str, *, tool_timeout_s: float = 5.0) -> EnvFactory:
     from rollflow.scoring import load_function
 
     return load_function(name, "env.name")
+
+
+def environment_source(config: EnvConfig) -> EnvFactory | None:
+    """The factory of each episode's environment the config names (`env.name`, or an OpenEnv
+    client with `env.openenv`), or None."""
+    if config.name:
+        return load_environment(config.name, tool_timeout_s=config.tool_timeout_s)
+    if not config.openenv:
+        return None
+    from rollflow.envs.openenv import OpenEnvSource
+    from rollflow.scoring import load_function
+
+    return OpenEnvSource(
+        load_function(config.openenv, "env.openenv"),
+        url=config.openenv_url,
+        server=config.openenv_server,
+        to_action=load_function(config.openenv_action, "env.openenv_action") if config.openenv_action else None,
+        to_text=load_function(config.openenv_observation, "env.openenv_observation")
+        if config.openenv_observation
+        else None,
+        sessions=config.openenv_sessions,
+        timeout_s=config.step_timeout_s,
+    )

@@ -16,9 +16,14 @@ counts in the total like any reward; the steps are kept on the sample for per-to
 (`scoring.process_coef`). An environment's per-turn rewards arrive the same way, as the part
 `env` (`Scorer.score`'s `prior`).
 
-Built-in rewards: `verifier` (the prompt's task checker: 1.0 correct, 0.0 wrong) and `digits`
-(the fraction of the completion's characters that are digits — a trivially learnable signal for
-smoke tests). Remote reward servers: `rollflow.scoring.remote.RemoteReward`.
+A function can also give one sample's reason itself: an `Unscorable("why")` in place of its
+value makes that sample unscorable with the reason.
+
+Built-in rewards: `verifier` (the prompt's task checker: 1.0 correct, 0.0 wrong; a reasoning-gym
+task's is the dataset's `score_answer`), `math_verify` (math-verify's judgement of the final
+answer against the row's `answer`, in worker processes: `rollflow.scoring.math_verify`) and
+`digits` (the fraction of the completion's characters that are digits — a trivially learnable
+signal for smoke tests). Remote reward servers: `rollflow.scoring.remote.RemoteReward`.
 """
 
 from __future__ import annotations
@@ -36,9 +41,9 @@ import msgspec
 from rollflow.config import RewardConfig, ScoringConfig
 from rollflow.errors import ConfigError
 from rollflow.records import Prompt
-from rollflow.tasks import verify
+from rollflow.tasks import REASONING_GYM, verify
 
-RewardName = Literal["verifier", "digits"]
+RewardName = Literal["verifier", "digits", "math_verify"]
 RewardFunc = Callable[..., Any]
 """`(prompts, completions, **kwargs) -> list[float | None]`, or a coroutine function returning it."""
 
@@ -66,7 +71,15 @@ def verifier(
     return [float(verify(t, c, a, m)) for c, a, t, m in zip(completions, answer, task, metadata, strict=True)]
 
 
-BUILTIN: dict[str, RewardFunc] = {"verifier": verifier, "digits": digits}
+BUILTIN: tuple[str, ...] = ("verifier", "digits", "math_verify")
+"""The built-in rewards' names."""
+
+
+class Unscorable(msgspec.Struct, frozen=True):
+    """What a reward function returns for a sample it cannot score, with the reason (the sample
+    is then unscorable, never scored 0)."""
+
+    reason: str
 
 
 class Scored(msgspec.Struct, frozen=True):
@@ -103,9 +116,15 @@ class Reward:
         self.timeout_s = timeout_s
         self.inline = inline
         """Run a sync function on the event loop itself (the built-ins: microseconds of work)."""
-        self.is_async = inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
-            getattr(func, "__call__", None)  # noqa: B004 - an object whose __call__ is async
-        )
+        self.is_async = is_async(func)
+
+
+def is_async(func: Any) -> bool:
+    """Whether calling `func` gives a coroutine: a coroutine function, or an object whose
+    `__call__` is one."""
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
+        getattr(func, "__call__", None)  # noqa: B004 - an object whose __call__ is async
+    )
 
 
 def load_function(spec: str, field: str) -> RewardFunc:
@@ -123,8 +142,23 @@ def load_function(spec: str, field: str) -> RewardFunc:
     return func
 
 
-def make_reward(config: RewardConfig, index: int, given: dict[str, RewardFunc] | None = None) -> Reward:
-    """The reward a `[[scoring.rewards]]` entry describes."""
+def builtin_reward(name: str, task: str, *, weight: float = 1.0, timeout_s: float = 30.0) -> Reward:
+    """The built-in reward `name` for prompts of `task`. The task checkers of the built-in tasks
+    and `digits` take microseconds and run on the event loop; a reasoning-gym dataset's checker
+    runs on a thread with `timeout_s`, and `math_verify` in its worker processes."""
+    if name == "math_verify":
+        from rollflow.scoring.math_verify import MathVerify
+
+        return Reward(name, MathVerify(), weight=weight, timeout_s=timeout_s)
+    if name == "verifier" and task.startswith(REASONING_GYM):
+        return Reward(name, verifier, weight=weight, timeout_s=timeout_s)
+    func = {"verifier": verifier, "digits": digits}[name]
+    return Reward(name, func, weight=weight, inline=True)
+
+
+def make_reward(config: RewardConfig, index: int, given: dict[str, RewardFunc] | None = None, task: str = "") -> Reward:
+    """The reward a `[[scoring.rewards]]` entry describes (`task`: `data.task`, which decides
+    where a built-in checker runs)."""
     field = f"scoring.rewards[{index}]"
     sources = [bool(config.function), bool(config.url)]
     if sum(sources) > 1:
@@ -150,7 +184,7 @@ def make_reward(config: RewardConfig, index: int, given: dict[str, RewardFunc] |
     elif config.name in BUILTIN:
         if config.process:
             raise ConfigError(f"{field}: the built-in {config.name!r} is not a process reward")
-        return Reward(config.name, BUILTIN[config.name], weight=config.weight, inline=True)
+        return builtin_reward(config.name, task, weight=config.weight, timeout_s=config.timeout_s)
     else:
         raise ConfigError(
             f"{field}: {config.name!r} is not a built-in reward ({', '.join(BUILTIN)}); give `function` or `url`"
@@ -159,17 +193,22 @@ def make_reward(config: RewardConfig, index: int, given: dict[str, RewardFunc] |
 
 
 def make_rewards(
-    scoring: ScoringConfig, default: str, given: dict[str, RewardFunc] | None = None, *, env: bool = False
+    scoring: ScoringConfig,
+    default: str,
+    given: dict[str, RewardFunc] | None = None,
+    *,
+    env: bool = False,
+    task: str = "",
 ) -> list[Reward]:
     """The configured rewards and the functions `given` in Python; without any, `default`
-    (run.reward), unless an environment (`env`) gives the rewards."""
+    (run.reward), unless an environment (`env`) gives the rewards. `task`: `data.task`."""
     given = dict(given or {})
-    rewards = [make_reward(c, i, given) for i, c in enumerate(scoring.rewards)]
+    rewards = [make_reward(c, i, given, task) for i, c in enumerate(scoring.rewards)]
     named = {r.name for r in rewards}
     rewards += [Reward(name, func) for name, func in given.items() if name not in named]
     if env:
         return rewards
-    return rewards or [Reward(default, BUILTIN[default], inline=True)]
+    return rewards or [builtin_reward(default, task)]
 
 
 def _prompt_text(prompt: Prompt) -> str:
@@ -271,6 +310,8 @@ class Scorer:
 
 
 def _check(value: Any) -> tuple[float | None, str | None]:
+    if isinstance(value, Unscorable):
+        return None, value.reason
     if value is None:
         return None, "returned None"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -301,18 +342,6 @@ def _check_steps(value: Any, length: int) -> tuple[list[tuple[int, float]], str 
     return pairs, None
 
 
-def make_scorer(name: RewardName) -> Callable[[Prompt, str], tuple[float | None, str | None]]:
-    """A sync function (prompt, completion text) -> (reward, None) or (None, reason), for
-    evaluation with a built-in reward (one completion at a time)."""
-    func = BUILTIN[name]
-
-    def score(prompt: Prompt, text: str) -> tuple[float | None, str | None]:
-        try:
-            (value,) = func(
-                [_prompt_text(prompt)], [text], answer=[prompt.answer], task=[prompt.task], metadata=[prompt.metadata]
-            )
-        except Exception as err:  # a broken verifier makes the sample unscorable, not 0
-            return None, f"reward error: {type(err).__name__}: {err}"
-        return _check(value)
-
-    return score
+def eval_scorer(config: Any) -> Scorer:
+    """The scorer of held-out evaluation: `run.reward` alone, for the prompts of `data.task`."""
+    return Scorer([builtin_reward(config.run.reward, config.data.task)], max_concurrency=config.scoring.max_concurrency)

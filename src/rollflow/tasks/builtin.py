@@ -1,4 +1,4 @@
-"""Built-in procedural tasks: prompts generated from (seed, index) and their verifiers.
+"""The built-in procedural tasks, `arithmetic` and `countdown`, and their verifiers.
 
 `arithmetic` asks for a + b (or a - b, a * b); `countdown` asks for an expression over given
 numbers that reaches a target. Each task turns an index into the same problem on every run, so
@@ -37,10 +37,15 @@ def arithmetic_problem(seed: int, index: int, max_operand: int = 20) -> Problem:
     return Problem(f"What is {a} {op} {b}?", str(value), {"a": a, "b": b, "op": op})
 
 
+def last_integer(text: str) -> str | None:
+    """The last integer written in `text`, or None."""
+    found = _LAST_INT.findall(text)
+    return found[-1] if found else None
+
+
 def arithmetic_reward(completion: str, answer: str) -> float:
     """1.0 when the last integer in the completion equals the answer."""
-    found = _LAST_INT.findall(completion)
-    return 1.0 if found and found[-1] == answer else 0.0
+    return 1.0 if last_integer(completion) == answer else 0.0
 
 
 COUNTDOWN_NUMBERS = 4
@@ -106,23 +111,8 @@ def countdown_reward(completion: str, numbers: list[int], target: int) -> float:
     return 1.0 if value == target and sorted(used) == sorted(numbers) else 0.0
 
 
-def verify(task: str, completion: str, answer: str | None, metadata: dict[str, Any]) -> float:
-    """Score a completion with the verifier of its task."""
-    if task == "arithmetic" and answer is not None:
-        return arithmetic_reward(completion, answer)
-    if task == "countdown":
-        return countdown_reward(completion, metadata["numbers"], metadata["target"])
-    if answer is not None:
-        return (
-            arithmetic_reward(completion, answer)
-            if answer.lstrip("-").isdigit()
-            else float(completion.strip() == answer.strip())
-        )
-    raise ValueError(f"task {task!r} has no verifier and the prompt has no answer")
-
-
 PROBLEMS: dict[str, Callable[[int, int, int], Problem]] = {
     "arithmetic": arithmetic_problem,
     "countdown": countdown_problem,
 }
-"""Procedural tasks by name: (seed, index, max_operand) -> Problem."""
+"""Built-in procedural tasks by name: (seed, index, max_operand) -> Problem."""

@@ -1,0 +1,176 @@
+"""verifiers environments (prime-rl's standard), trained as they are: `env.verifiers = "ENV_ID"`.
+
+The environment is loaded with verifiers' own loader (`verifiers.load_environment(ENV_ID,
+**env.verifiers_args)`: an installed package or module with a `load_environment` function). Its
+dataset gives the run's prompts (`rows`), and each episode is the environment's own rollout
+(`Environment.run_rollout`: its turns, tools, parser and rubric, unchanged) against the run's
+OpenAI-compatible endpoint, which records every token with its log-prob and version
+(`rollflow.agent`); the rubric's reward is the episode's reward. A rollout that fails (the
+environment raises, a model call is refused) makes its episode unscorable with the reason.
+
+Supported: verifiers `SUPPORTED` (the API with `vf.Client` and `Environment.run_rollout`; tested
+with 0.1.14). verifiers 0.3 and later run each episode as a program in a sandbox that installs
+its own packages at run time, which this adapter does not do; another version is refused with
+one error. Rubrics with group-level reward functions are refused too: each episode here is
+scored on its own. The library is imported lazily; without it, one error names the extra.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import pkgutil
+from importlib import metadata
+from typing import Any
+
+from rollflow.agent import AgentTask
+from rollflow.agent.http import http_client
+from rollflow.data_files import Row
+from rollflow.errors import ConfigError, DataError
+from rollflow.records import Message
+
+EXTRA = "pip install 'rollflow[verifiers]'"
+"""How to install the library (named in the error when it is missing)."""
+
+SUPPORTED = (0, 1, 11), (0, 2, 0)
+"""Versions whose environments this adapter runs: at least the first, below the second."""
+
+RUN_OWNS = ("temperature", "top_p", "top_k", "min_p", "n", "stop", "seed", "logprobs", "top_logprobs")
+"""Sampling settings of an environment that the run decides (its endpoint refuses others)."""
+
+
+class EpisodeFailed(Exception):
+    """A verifiers rollout ended with an error; its episode is unscorable with this message."""
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _library() -> Any:
+    try:
+        version = metadata.version("verifiers")
+    except metadata.PackageNotFoundError:
+        raise ConfigError(f"env.verifiers: needs the verifiers package; {EXTRA}") from None
+    low, high = SUPPORTED
+    if not low <= _version_tuple(version) < high:
+        raise ConfigError(
+            f"env.verifiers: verifiers {version} is installed; rollflow trains environments of verifiers "
+            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))} (Environment.run_rollout; tested with 0.1.14): "
+            f"{EXTRA}"
+        )
+    import verifiers
+
+    return verifiers
+
+
+def _close_modules(name: str) -> list[str]:
+    modules = [m.name for m in pkgutil.iter_modules()]
+    return difflib.get_close_matches(name, modules, n=3, cutoff=0.6)
+
+
+class VerifiersEnv:
+    """One loaded verifiers environment: its prompts, and the agent that plays one episode."""
+
+    def __init__(self, env_id: str, args: dict[str, Any] | None = None) -> None:
+        vf = _library()
+        module = env_id.replace("-", "_").split("/")[-1]
+        if not module.isidentifier() or importlib.util.find_spec(module) is None:
+            close = _close_modules(module)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ConfigError(
+                f"env.verifiers: no verifiers environment {env_id!r} is installed (no module {module!r}){hint}"
+            )
+        try:
+            env = vf.load_environment(env_id, **(args or {}))
+        except Exception as err:  # verifiers wraps the environment's own error; show what it was
+            cause = err.__cause__ or err
+            raise ConfigError(
+                f"env.verifiers: {env_id!r} could not be loaded: {type(cause).__name__}: {cause}"
+            ) from None
+        if not isinstance(env, vf.Environment):
+            raise ConfigError(
+                f"env.verifiers: {env_id!r}'s load_environment returned {type(env).__name__}, not an Environment"
+            )
+        if env.rubric.has_group_rewards:
+            raise ConfigError(
+                f"env.verifiers: {env_id!r}'s rubric has group-level reward functions; rollflow scores each "
+                "episode on its own (its group advantages are rollflow's)"
+            )
+        self.env_id = env_id
+        self.env = env
+        self.sampling_args = {k: v for k, v in (env.sampling_args or {}).items() if k not in RUN_OWNS and v}
+        self._http: Any = None
+
+    def rows(self) -> list[Row]:
+        """The environment's training dataset as rollflow rows (messages, answer, the row's
+        `info` and `example_id` kept for its rollout)."""
+        dataset = self.env.get_dataset()
+        rows = []
+        for i, item in enumerate(dataset):
+            where = f"{self.env_id} dataset, row {i}"
+            prompt = item.get("prompt")
+            if isinstance(prompt, str):
+                prompt = [{"role": "user", "content": prompt}]
+            if not isinstance(prompt, list) or not prompt:
+                raise DataError(f"{where}: expected `prompt` as a list of messages, got {type(prompt).__name__}")
+            messages = []
+            for message in prompt:
+                content = message.get("content") if isinstance(message, dict) else None
+                if not isinstance(content, str):
+                    raise DataError(f"{where}: only text messages are supported, got {message!r:.80}")
+                messages.append(Message(role=str(message["role"]), content=content))
+            example = item.get("example_id", i)
+            info = item.get("info") or {}
+            rows.append(
+                Row(
+                    id=f"{self.env_id}-{example}",
+                    messages=messages,
+                    answer=None if item.get("answer") is None else str(item["answer"]),
+                    task=str(item.get("task") or self.env_id),
+                    metadata={"verifiers": {"example_id": example, "info": info}},
+                    source=where,
+                )
+            )
+        if not rows:
+            raise DataError(f"env.verifiers: {self.env_id!r} has an empty dataset")
+        return rows
+
+    async def __call__(self, task: AgentTask, base_url: str) -> float:
+        """One episode: the environment's rollout against `base_url`; its rubric's reward."""
+        import openai
+        import verifiers as vf
+
+        if self._http is None:  # one HTTP client for every episode's OpenAI client
+            self._http = http_client()
+        origin = task.metadata.get("verifiers", {})
+        rollout_input: dict[str, Any] = {
+            "prompt": task.messages,
+            "example_id": origin.get("example_id", task.id),
+            "info": origin.get("info", {}),
+        }
+        if task.answer is not None:
+            rollout_input["answer"] = task.answer
+        client = vf.OpenAIChatCompletionsClient(
+            openai.AsyncOpenAI(base_url=base_url, api_key="unused", http_client=self._http, max_retries=0)
+        )
+        output = await self.env.run_rollout(rollout_input, client, task.model, dict(self.sampling_args))
+        error = output.get("error")
+        if error:
+            raise EpisodeFailed(f"verifiers rollout of {self.env_id!r} failed: {error}")
+        reward = output.get("reward")
+        if reward is None:
+            raise EpisodeFailed(f"verifiers rollout of {self.env_id!r} has no reward (score_rollouts is off?)")
+        return reward
+
+    async def start(self) -> None:
+        """Nothing to start: the HTTP client is made on the run's loop at the first episode."""
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None

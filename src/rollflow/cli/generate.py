@@ -1,0 +1,68 @@
+"""`generate`: sample completions for task prompts from the configured model and score them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from rollflow.cli.model import counting, model_config, started_engine
+from rollflow.cli.parser import add_model_args
+from rollflow.errors import UserInputError
+
+NAME = "generate"
+ASYNC = True
+
+
+def add(commands: Any) -> None:
+    gen = commands.add_parser(NAME, help="sample completions for task prompts and score them")
+    add_model_args(gen)
+    gen.add_argument("--prompts", type=int, default=16, help="number of prompts (default 16)")
+    gen.add_argument("--greedy", action="store_true", help="greedy decoding, one sample per prompt")
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_generate(args))
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from rollflow.evaluate import evaluate, sampling_spec
+    from rollflow.models import prompt_encoder
+    from rollflow.sampler import Sampler
+    from rollflow.scoring import eval_scorer
+    from rollflow.tasks import check_source
+
+    if args.prompts <= 0:
+        raise UserInputError(f"--prompts: expected a positive number, got {args.prompts}")
+    console = Console(stderr=True)
+    config = model_config(args)
+    check_source(config.data)
+    group = 1 if args.greedy else config.rollout.group_size
+    engine, tokenizer = await started_engine(config, console)
+    scorer = eval_scorer(config)
+    try:
+        sampler = Sampler(config.data, prompt_encoder(tokenizer, config.data))
+        prompts = [sampler.next() for _ in range(args.prompts)]
+        with console.status("generating") as status:
+            report = await evaluate(
+                engine,
+                prompts,
+                sampling_spec(config, greedy=args.greedy),
+                samples_per_prompt=group,
+                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                scorer=scorer,
+                on_sample=counting(status, "generating", len(prompts) * group),
+            )
+    finally:
+        await scorer.aclose()
+        await engine.aclose()
+    for question, text, reward in report.examples:
+        console.print(f"[bold]{question}[/bold] -> {text.strip()!r} reward={reward:g}", highlight=False)
+    print(
+        f"model={config.model.path} task={config.data.task} prompts={report.prompts} samples={report.samples} "
+        f"accuracy={report.accuracy:.3f} pass@{group}={report.pass_at_group:.3f} "
+        f"tokens={report.tokens} wall_s={report.wall_s:.1f} tokens_per_s={report.tokens_per_s:.0f}"
+    )
+    return 0

@@ -1,0 +1,66 @@
+"""What the commands that run a model share (`generate`, `eval`): the config of a run or of the
+given settings with `--model`, a started engine with its tokenizer, and a progress count."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+from rollflow.errors import UserInputError
+
+
+def model_config(args: argparse.Namespace) -> Any:  # -> Config
+    """The config for `generate` / `eval`: a run's (`--run`) or the given one, with `--model`."""
+    from rollflow.config import load_config
+    from rollflow.export import FINAL
+
+    config_file, overrides = args.config, list(args.overrides)
+    model = args.model
+    if args.run is not None:
+        if config_file is not None or args.preset:
+            raise UserInputError("--run: takes the run's own config.toml; give no CONFIG or --preset with it")
+        config_file = args.run / "config.toml"
+        if not config_file.is_file():
+            raise UserInputError(f"--run {args.run}: not a rollflow run directory (no config.toml)")
+        final = args.run / FINAL
+        if model is None:
+            if (final / "adapter_config.json").is_file():
+                raise UserInputError(
+                    f"--run {args.run}: its final/ is a LoRA adapter; write a merged model with "
+                    f"`python -m rollflow export {args.run} --merged` and pass it as --model"
+                )
+            if not (final / "config.json").is_file():
+                raise UserInputError(f"--run {args.run}: no trained model in {final} (the run did not finish)")
+            model = str(final)
+    if model is not None:
+        overrides.append(f"model.path={json.dumps(str(model))}")
+    return load_config(config_file, preset=args.preset, overrides=overrides)
+
+
+async def started_engine(config: Any, console: Any) -> tuple[Any, Any]:
+    """A started vLLM engine for the config's model, and its tokenizer."""
+    from rollflow.engine.vllm import VLLMEngine
+    from rollflow.models import load_tokenizer, resolve_model
+
+    with console.status(f"preparing model {config.model.path}"):
+        model_path = resolve_model(config.model.path)
+        tokenizer = load_tokenizer(model_path)
+    engine = VLLMEngine(model_path, config.engine, dtype=config.model.dtype)
+    with console.status("starting vLLM engine (20-40 s on CPU)"):
+        await engine.start()
+    return engine, tokenizer
+
+
+def counting(status: Any, what: str, total: int) -> Callable[[object], None]:
+    """A per-sample callback that shows `what n/total samples` on the console's status line."""
+    done = 0
+    status.update(f"{what} 0/{total} samples")
+
+    def progress(_sample: object) -> None:
+        nonlocal done
+        done += 1
+        status.update(f"{what} {done}/{total} samples")
+
+    return progress

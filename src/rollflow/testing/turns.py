@@ -1,0 +1,42 @@
+"""Scripted model turns for episode tests: the text each turn says, "sampled" deterministically.
+
+`ScriptedTurns` is a `GenerateTurn` (what an episode calls for each model turn) that returns the
+next scripted text as tokens of the real tokenizer, ending with its end-of-turn token, each with
+log-prob -0.1 × its position and the version in `version`; it remembers the token ids each turn
+was asked to continue (`seen`). Tests of environments and agents use it where the mechanics, not
+a model, are under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from rollflow.records import Sample, SamplingSpec
+
+
+class ScriptedTurns:
+    """The model's turns, in order."""
+
+    def __init__(self, chat: Any, turns: list[str], *, version: int = 0) -> None:
+        """`chat`: a `rollflow.envs.ChatFormat` (its tokenizer turns each text into tokens)."""
+        self.chat, self.turns, self.version = chat, list(turns), version
+        self.seen: list[list[int]] = []
+
+    async def __call__(self, token_ids: list[int], spec: SamplingSpec, n: int) -> Sample:
+        self.seen.append(list(token_ids))
+        ids = self.chat.tokens(self.turns.pop(0))[: spec.max_tokens - 1]
+        ids.append(self.chat.tokenizer.eos_token_id)
+        await asyncio.sleep(0)  # a turn yields to the loop, as a streamed one does
+        return Sample(
+            prompt_id="p",
+            group_id="g",
+            index=0,
+            prompt_token_ids=token_ids,
+            completion_token_ids=ids,
+            logprobs=[-0.1 * i for i in range(len(ids))],
+            versions=[self.version] * len(ids),
+            loss_mask=[1] * len(ids),
+            finish_reason="stop",
+            sampling=spec,
+        )

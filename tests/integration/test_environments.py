@@ -1,0 +1,148 @@
+"""The environments the field already has, trained as they are with real vLLM on the tiny model:
+a reasoning-gym task scored by its own `score_answer`, a dataset file scored by math-verify, a
+verifiers environment (single-turn, and multi-turn with a tool) through the OpenAI endpoint, and
+an OpenEnv environment whose server rollflow starts. One engine serves every run in turn
+(`rollflow.testing.lend` puts it back on the initial weights at version 0)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from rollflow.config import load_config
+from rollflow.controller import Controller
+from rollflow.engine.vllm import VLLMEngine
+from rollflow.evaluate import held_out_report
+from rollflow.ledger import summarize
+from rollflow.models import load_tokenizer, tiny_model_path
+from rollflow.records import Message
+from rollflow.tasks.reasoning_gym import extract_answer
+from rollflow.testing import lend
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("example_environments")]
+
+BASE = ["engine.max_model_len=512", "observe.sinks=[]", "checkpoint.final_model=false", "run.max_steps=3"]
+
+
+@pytest.fixture(scope="module")
+async def shared():
+    """One engine of the tiny preset's settings, and the weights each run starts from."""
+    config = load_config(preset="tiny", overrides=BASE)
+    engine = VLLMEngine(tiny_model_path(0), config.engine)
+    await engine.start()
+    weights = AutoModelForCausalLM.from_pretrained(tiny_model_path(0)).state_dict()
+    yield engine, weights
+    await engine.aclose()
+
+
+async def run(shared, out, record_groups, *overrides, **given):
+    """A tiny-preset run with `overrides` on the shared engine; its result, the groups it trained
+    and the controller."""
+    engine, weights = shared
+    config = load_config(preset="tiny", overrides=[*BASE, *overrides])
+    controller = Controller(config, out, engine=await lend(engine, weights), **given)
+    result = await controller.run()
+    assert summarize(out).ok  # every prompt accounted for exactly once
+    return result, list(record_groups), controller
+
+
+@pytest.mark.timeout(300)
+async def test_a_reasoning_gym_task_trains_and_evaluates_with_its_own_scorer(shared, tmp_path, record_groups):
+    import reasoning_gym
+
+    settings = {"min_terms": 2, "max_terms": 2, "max_digits": 1}
+    result, groups, controller = await run(
+        shared, tmp_path, record_groups, "data.task=reasoning_gym:chain_sum",
+        "data.task_config={min_terms = 2, max_terms = 2, max_digits = 1}", "data.answer_from=last_number",
+        "run.reward=verifier", "run.eval_prompts=4", "run.eval_every=2", "run.eval_pass_k=2", "sampling.max_tokens=8",
+    )
+    assert result.steps == 3 and result.eval_before is not None and result.eval_after is not None
+    assert "eval_pass_at_k" in result.metrics[1]
+    tokenizer = load_tokenizer(tiny_model_path(0))
+    dataset = reasoning_gym.create_dataset("chain_sum", seed=0, size=100, **settings)
+    for group in groups:
+        task, seed, index = group.prompt.id.rsplit("-", 2)
+        entry = dataset[int(index)]  # prompt i of data.seed 0 is reasoning-gym's item i of seed 0
+        assert (task, seed) == ("reasoning_gym:chain_sum", "0")
+        assert group.prompt.messages == [Message(role="user", content=entry["question"])]
+        for sample in group.samples:  # each reward is the dataset's own score of the completion's answer
+            text = tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
+            assert sample.reward == dataset.score_answer(extract_answer(text, "last_number"), entry), text
+    engine, _ = shared
+    report = await held_out_report(engine, controller.config, tokenizer, 4, 2)
+    assert report["task"] == "reasoning_gym:chain_sum" and report["k"] == 2 and report["unscorable"] == 0
+    assert report["accuracy"] == pytest.approx(result.eval_after.accuracy)  # the same held-out items
+
+
+@pytest.mark.timeout(300)
+async def test_math_verify_scores_a_dataset_file(shared, tmp_path, record_groups):
+    rows = [
+        {"prompt": "Half of one, as a fraction?", "answer": "\\frac{1}{2}"},
+        {"prompt": "What is 2 + 2?", "answer": "4"},
+        {"prompt": "Square root of 9?", "answer": "3"},
+        {"prompt": "What is 10 / 4?", "answer": "$\\frac{5}{2}$"},
+    ]
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result, groups, _ = await run(
+        shared, tmp_path / "run", record_groups, "data.task=jsonl", f'data.paths=["{data}"]', "run.reward=math_verify",
+        "sampling.max_tokens=8", "run.max_steps=2",
+    )
+    assert result.steps == 2 and groups
+    from math_verify import parse, verify
+
+    tokenizer = load_tokenizer(tiny_model_path(0))
+    for group in groups:
+        gold = parse(group.prompt.answer) or parse(f"${group.prompt.answer}$")
+        for sample in group.samples:
+            text = tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
+            assert sample.reward == float(verify(gold, parse(text))), text
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("env_id", ["vf-sums", "vf-calc"])
+async def test_a_verifiers_environment_trains_through_the_endpoint(shared, tmp_path, record_groups, env_id):
+    result, groups, _ = await run(
+        shared, tmp_path, record_groups, f"env.verifiers={env_id}", "env.max_tokens=64", "sampling.max_tokens=16",
+        "rollout.group_size=4", "run.groups_per_step=2",
+    )
+    assert result.steps == 3 and len(groups) == 6
+    for group in groups:
+        assert group.prompt.id.startswith(f"{env_id}-")
+        for sample in group.samples:
+            assert sample.unscorable is None and sample.reward is not None
+            assert sample.reward_parts.keys() == {"env"} and min(sample.versions) >= 0
+            assert sample.num_tokens > 0 and 1 in sample.loss_mask
+    assert all(m["agent_splits"] == 0 for m in result.metrics)
+
+
+@pytest.mark.timeout(300)
+async def test_an_openenv_environment_trains_against_the_server_rollflow_starts(shared, tmp_path, record_groups):
+    result, groups, _ = await run(
+        shared, tmp_path, record_groups, "env.openenv=openenv_sums:SumsClient", "env.openenv_server=openenv_sums:app",
+        "env.max_turns=2", "env.max_tokens=64", "sampling.max_tokens=8",
+    )
+    assert result.steps == 3 and groups
+    tokenizer = load_tokenizer(tiny_model_path(0))
+    for group in groups:
+        openings = {tuple(s.prompt_token_ids) for s in group.samples}
+        assert len(openings) == 1  # a group's episodes meet one instance (the reset seed is the prompt's)
+        assert "What is" in tokenizer.decode(group.samples[0].prompt_token_ids)
+        for sample in group.samples:
+            assert sample.unscorable is None and sample.reward in (0.0, 1.0)
+            assert 1 <= sample.turns <= 2 and sample.reward_parts == {"env": sample.reward}
+    assert all(1 <= m["turns_mean"] <= 2 for m in result.metrics)
+
+
+def test_an_unknown_dataset_is_refused_at_load_naming_close_names(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "rollflow", "train", "--preset", "tiny", "--set", "data.task=reasoning_gym:chain_sun",
+         "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "reasoning-gym has no dataset 'chain_sun'; did you mean 'reasoning_gym:chain_sum'" in done.stderr

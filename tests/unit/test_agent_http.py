@@ -1,0 +1,56 @@
+"""The agents' HTTP client (httpx's interface on aiohttp's pool): the real openai client through
+it to the real endpoint, plain and streamed replies, and a connection refused as httpx's error."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from rollflow.agent import AgentEpisode, AgentServer
+from rollflow.agent.http import http_client
+from rollflow.envs import ChatFormat, EpisodeLimits
+from rollflow.models import load_tokenizer, tiny_model_path
+from rollflow.records import Message, Prompt, SamplingSpec
+from rollflow.testing import ScriptedTurns, unused_port
+
+SPEC = SamplingSpec(temperature=1.0, max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatFormat(load_tokenizer(tiny_model_path(0)))
+
+
+async def test_replies_plain_and_streamed_come_through_the_aiohttp_pool(chat):
+    server = AgentServer("tiny", SPEC)
+    await server.start()
+    http = http_client()
+    try:
+        prompt = Prompt(id="p", token_ids=[1], messages=[Message(role="user", content="hi")])
+        episode = AgentEpisode(prompt, SPEC, ScriptedTurns(chat, ["hello there", "again"]), chat,
+                               EpisodeLimits(max_tokens=256))
+        key, url = server.open(episode)
+        client = openai.AsyncOpenAI(base_url=url, api_key="unused", http_client=http, max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        reply = await client.chat.completions.create(model="tiny", messages=messages)
+        assert reply.choices[0].message.content == "hello there" and reply.usage.completion_tokens > 0
+        messages.append({"role": "assistant", "content": "hello there"})
+        messages.append({"role": "user", "content": "more"})
+        stream = await client.chat.completions.create(model="tiny", messages=messages, stream=True)
+        text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+        assert text == "again"
+        server.close(key)
+    finally:
+        await http.aclose()
+        await server.aclose()
+
+
+async def test_a_refused_connection_is_the_openai_clients_connection_error():
+    http = http_client()
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{unused_port()}/v1", api_key="x",
+                                    http_client=http, max_retries=0)
+        with pytest.raises(openai.APIConnectionError):
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        await http.aclose()

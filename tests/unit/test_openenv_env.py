@@ -1,0 +1,149 @@
+"""OpenEnv environments as episodes, with scripted model turns: a real OpenEnv server (the test
+environment in examples/environments/openenv_sums.py, served by uvicorn in its own process, as
+rollflow starts it) and its own WebSocket client; only the model's turns are scripted. Training
+real vLLM against it is in tests/integration/test_environments.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rollflow.envs import ChatFormat, EpisodeLimits, run_episode
+from rollflow.envs.openenv import OpenEnvSource, episode_seed, observation_text, text_action
+from rollflow.errors import ConfigError
+from rollflow.models import load_tokenizer, tiny_model_path
+from rollflow.records import Message, Prompt, SamplingSpec
+from rollflow.testing import ScriptedTurns, unused_port
+
+pytestmark = pytest.mark.usefixtures("example_environments")
+
+SPEC = SamplingSpec(temperature=1.0, max_tokens=32)
+LIMITS = EpisodeLimits(max_turns=4, max_tokens=256, step_timeout_s=10)
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatFormat(load_tokenizer(tiny_model_path(0)))
+
+
+@pytest.fixture
+async def source():
+    import openenv_sums
+
+    source = OpenEnvSource(openenv_sums.SumsClient, server="openenv_sums:app", sessions=4, timeout_s=10)
+    await source.start()
+    yield source
+    await source.aclose()
+
+
+def question(prompt_id: str) -> tuple[str, int]:
+    """What the test server asks for this prompt's episodes, and the answer."""
+    import openenv_sums
+
+    observation = openenv_sums.SumsEnvironment().reset(seed=episode_seed(prompt_id))
+    a, b = [int(x) for x in observation.text.removesuffix("?").split() if x.isdigit()]
+    return observation.text, a + b
+
+
+PROMPT = Prompt(id="sums-0", token_ids=[1], messages=[Message(role="system", content="Be brief.")])
+
+
+async def test_a_right_first_answer_ends_the_episode_with_the_server_reward(chat, source):
+    text, answer = question(PROMPT.id)
+    script = ScriptedTurns(chat, [str(answer)])
+    sample = await run_episode(source(), PROMPT, SPEC, script, chat, group_id="g", index=0, limits=LIMITS)
+    assert sample.unscorable is None and sample.turns == 1
+    assert sample.process_rewards == [(sample.num_tokens - 1, 1.0)]
+    # the opening is the prompt's system message and the reset observation as the user's
+    opening = chat.render([Message(role="system", content="Be brief."), Message(role="user", content=text)])
+    assert sample.prompt_token_ids == chat.tokens(opening) == script.seen[0]
+
+
+async def test_a_wrong_answer_gets_the_observation_as_the_next_message(chat, source):
+    _, answer = question(PROMPT.id)
+    script = ScriptedTurns(chat, ["no idea", f"It is {answer}"])
+    sample = await run_episode(source(), PROMPT, SPEC, script, chat, group_id="g", index=0, limits=LIMITS)
+    assert sample.unscorable is None and sample.turns == 2
+    assert [r for _, r in sample.process_rewards] == [0.0, 1.0]
+    first = [*chat.tokens("no idea"), chat.tokenizer.eos_token_id]
+    feedback = sample.completion_token_ids[len(first) : len(script.seen[1]) - len(sample.prompt_token_ids)]
+    assert "Not right. Try again." in chat.tokenizer.decode(feedback)
+    assert sample.loss_mask[: len(first)] == [1] * len(first)
+    assert set(sample.loss_mask[len(first) : len(first) + len(feedback)]) == {0}
+
+
+async def test_a_group_meets_one_instance_and_sessions_are_released(chat, source):
+    seen = set()
+    for index in range(6):  # more episodes than the 4 sessions: each gives its session back
+        script = ScriptedTurns(chat, ["0", "0"])
+        sample = await run_episode(source(), PROMPT, SPEC, script, chat, group_id="g", index=index, limits=LIMITS)
+        seen.add(chat.tokenizer.decode(sample.prompt_token_ids))
+        assert sample.unscorable is None
+    assert len(seen) == 1
+    assert len(source.idle) == 1  # one after another, the episodes reset one kept session
+
+
+async def test_a_session_whose_call_was_cut_off_is_closed_not_kept(chat, source, monkeypatch):
+    import asyncio
+
+    import openenv_sums
+
+    async def slow_step(self, action):
+        await asyncio.sleep(5)
+
+    monkeypatch.setattr(openenv_sums.SumsClient, "step", slow_step)
+    limits = EpisodeLimits(max_turns=2, max_tokens=64, step_timeout_s=0.5)
+    sample = await run_episode(
+        source(), PROMPT, SPEC, ScriptedTurns(chat, ["1"]), chat, group_id="g", index=0, limits=limits
+    )
+    assert sample.unscorable == "environment: step timed out after 0.5 s"
+    assert source.idle == []
+
+
+async def test_an_action_that_cannot_be_made_makes_the_episode_unscorable(chat, source):
+    def refuse(text: str):
+        raise ValueError("not an action")
+
+    source.to_action = refuse
+    sample = await run_episode(
+        source(), PROMPT, SPEC, ScriptedTurns(chat, ["1"]), chat, group_id="g", index=0, limits=LIMITS
+    )
+    assert sample.unscorable == "environment: step raised ValueError: not an action"
+
+
+async def test_an_unreachable_server_is_named_within_seconds():
+    import openenv_sums
+
+    url = f"http://127.0.0.1:{unused_port()}"
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"env.openenv_url: no OpenEnv server answers at {url}"):
+        await OpenEnvSource(openenv_sums.SumsClient, url=url).start()
+    assert time.monotonic() - began < 6
+
+
+async def test_a_server_that_cannot_start_is_named_with_its_output():
+    import openenv_sums
+
+    source = OpenEnvSource(openenv_sums.SumsClient, server="no_such_module:app")
+    with pytest.raises(ConfigError, match=r"(?s)'no_such_module:app' exited at start:.*no_such_module"):
+        await source.start()
+    await source.aclose()
+
+
+def test_text_becomes_the_client_action_and_an_observation_text():
+    import openenv_sums
+
+    action = text_action(openenv_sums.SumsClient)("12")
+    assert isinstance(action, openenv_sums.SumsAction) and action.message == "12"
+    assert observation_text(openenv_sums.SumsObservation(text="hi", reward=1.0)) == "hi"
+    assert observation_text({"a": 1, "b": "x", "done": False}) == '{"a": 1, "b": "x"}'
+
+
+def test_a_client_without_a_text_action_asks_for_a_function():
+    from openenv.core.generic_client import GenericEnvClient
+
+    with pytest.raises(ConfigError, match="env.openenv_action: GenericEnvClient declares no pydantic action class"):
+        text_action(GenericEnvClient)
+    with pytest.raises(ConfigError, match="not an OpenEnv client"):
+        OpenEnvSource(dict, url="http://127.0.0.1:1")
