@@ -43,6 +43,7 @@ def bench(session: nox.Session) -> None:
         "bench/engine_overhead.py",
         "bench/remote_engine.py",
         "bench/agent_endpoint.py",
+        "bench/environments.py",
         "bench/loss_memory.py",
         "bench/packing.py",
         "bench/weight_sync.py",

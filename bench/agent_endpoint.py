@@ -7,9 +7,11 @@ Both paths render the same messages with the chat template and sample the same n
 trip, the JSON bodies, the request checks and the episode's recording. Prints a table and, last,
 `RESULT agent_endpoint_ratio=<x>` (median over rounds of endpoint tokens/s divided by direct
 tokens/s; 1.0 = no cost) with one HTTP client shared by the episodes' `openai` clients, after
-the same figure with a client made per episode (`agent_endpoint_ratio_client_per_episode`).
+the same figure with a client made per episode (`agent_endpoint_ratio_client_per_episode`) and
+with one shared client on aiohttp's pool, `rollflow.agent.http.http_client()`
+(`agent_endpoint_ratio_aiohttp`).
 
-    bin/dev python bench/agent_endpoint.py [--requests 32] [--tokens 128] [--rounds 6]
+    bin/dev python bench/agent_endpoint.py [--requests 32] [--tokens 128] [--rounds 12]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import openai
 from sidebyside import alternate, engine_args, report
 
 from rollflow.agent import AgentEpisode, AgentServer, run_agent
+from rollflow.agent.http import http_client
 from rollflow.config import EngineConfig
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.envs import ChatFormat, EpisodeLimits
@@ -79,6 +82,7 @@ async def main(args: argparse.Namespace) -> None:
     server = AgentServer(args.model, spec)
     conversations = questions(args.requests)
     http = openai.DefaultAsyncHttpxClient()
+    pooled = http_client()
     try:
         await engine.start()
         await server.start()
@@ -92,6 +96,14 @@ async def main(args: argparse.Namespace) -> None:
             ],
             args.rounds,
         )
+        aiohttp_pool = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, conversations, tag)),
+                ("endpoint, aiohttp pool client",
+                 lambda tag: through_endpoint(engine, chat, spec, server, conversations, tag, pooled)),
+            ],
+            args.rounds,
+        )
         totals, ratios = await alternate(
             [
                 ("rollout() directly", lambda tag: direct(engine, chat, spec, conversations, tag)),
@@ -102,11 +114,13 @@ async def main(args: argparse.Namespace) -> None:
         )
     finally:
         await http.aclose()
+        await pooled.aclose()
         await server.aclose()
         await engine.aclose()
     report(*own_clients, args, "agent_endpoint_ratio_client_per_episode")
+    report(*aiohttp_pool, args, "agent_endpoint_ratio_aiohttp")
     report(totals, ratios, args, "agent_endpoint_ratio")
 
 
 if __name__ == "__main__":
-    asyncio.run(main(engine_args(__doc__)))
+    asyncio.run(main(engine_args(__doc__, rounds=12)))  # short rounds: more of them for a stable median

@@ -12,12 +12,12 @@ import machine
 from rollflow.records import SamplingSpec
 
 
-def engine_args(doc: str) -> argparse.Namespace:
+def engine_args(doc: str, rounds: int = 6) -> argparse.Namespace:
     """--requests, --tokens, --rounds, --model: concurrent rollouts of fixed length, per round."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--model", default="tiny")
     return parser.parse_args()
 

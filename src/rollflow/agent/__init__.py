@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
+from rollflow.agent.http import http_client
 from rollflow.agent.server import AgentServer
 from rollflow.config import EnvConfig
 from rollflow.data_files import Row
@@ -39,6 +40,7 @@ __all__ = [
     "PromptSource",
     "Reply",
     "agent_source",
+    "http_client",
     "load_agent",
     "run_agent",
 ]

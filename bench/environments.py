@@ -1,0 +1,126 @@
+"""Environment adapter cost: the same concurrent single-turn questions generated through
+`rollout()` directly, as episodes of a verifiers environment (its own rollout and rubric, through
+the run's OpenAI-compatible endpoint), and as episodes of an OpenEnv environment (a session with
+its server: reset, the model's turn, step), alternating for several rounds in one run.
+
+Every path samples the same number of tokens per question (ignore_eos, fixed max_tokens) on one
+in-process engine of the tiny model; the adapters add what they are: verifiers' rollout, the HTTP
+round trip and the episode's recording for the one, a WebSocket session per episode with the
+OpenEnv server (started by the bench, as `env.openenv_server` does) for the other. Prints a table
+per adapter, each ending with its RESULT line, `RESULT verifiers_ratio=<x>` and `RESULT
+openenv_ratio=<y>` (median over rounds of the adapter's tokens/s divided by `rollout()`'s; 1.0 =
+no cost).
+
+    bin/dev python bench/environments.py [--requests 32] [--tokens 128] [--rounds 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from sidebyside import alternate, engine_args, report
+
+from rollflow.agent import AgentEpisode, AgentServer, run_agent
+from rollflow.agent.verifiers import VerifiersEnv
+from rollflow.config import EngineConfig
+from rollflow.engine.vllm import VLLMEngine
+from rollflow.envs import ChatFormat, EpisodeLimits, run_episode
+from rollflow.envs.openenv import OpenEnvSource
+from rollflow.models import load_tokenizer, resolve_model
+from rollflow.records import Prompt, SamplingSpec
+from rollflow.rollout import rollout
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "environments"
+
+
+async def direct(engine, chat: ChatFormat, spec: SamplingSpec, prompts: list[Prompt], tag: str) -> int:
+    samples = await asyncio.gather(
+        *(rollout(engine, p, spec, group_id=f"{tag}-{i}", index=0) for i, p in enumerate(prompts))
+    )
+    return sum(s.num_tokens for s in samples)
+
+
+def turns(engine, tag: str):
+    async def generate(token_ids, turn_spec, n):
+        return await rollout(engine, Prompt(id=tag, token_ids=token_ids), turn_spec, group_id=f"{tag}/{n}", index=0)
+
+    return generate
+
+
+async def verifiers(engine, chat, spec, server: AgentServer, env: VerifiersEnv, prompts, tag: str) -> int:
+    limits = EpisodeLimits(max_turns=1, max_tokens=spec.max_tokens, max_model_len=engine.config.max_model_len)
+    samples = await asyncio.gather(
+        *(
+            run_agent(env, AgentEpisode(p, spec, turns(engine, f"{tag}-{i}"), chat, limits), server, group_id=tag,
+                      index=i, timeout_s=600)
+            for i, p in enumerate(prompts)
+        )
+    )
+    assert all(s.unscorable is None for s in samples), [s.unscorable for s in samples if s.unscorable][:1]
+    return sum(sum(s.loss_mask) for s in samples)
+
+
+async def openenv(engine, chat, spec, source: OpenEnvSource, prompts, tag: str) -> int:
+    limits = EpisodeLimits(max_turns=1, max_tokens=spec.max_tokens, max_model_len=engine.config.max_model_len)
+    samples = await asyncio.gather(
+        *(
+            run_episode(source(), p, spec, turns(engine, f"{tag}-{i}"), chat, group_id=tag, index=i, limits=limits)
+            for i, p in enumerate(prompts)
+        )
+    )
+    assert all(s.unscorable is None for s in samples), [s.unscorable for s in samples if s.unscorable][:1]
+    return sum(sum(s.loss_mask) for s in samples)
+
+
+async def main(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(EXAMPLES))
+    import openenv_sums
+
+    path = resolve_model(args.model)
+    engine = VLLMEngine(path, EngineConfig(max_num_seqs=max(args.requests, 16), max_model_len=1024))
+    chat = ChatFormat(load_tokenizer(path))
+    spec = SamplingSpec(temperature=1.0, max_tokens=args.tokens, ignore_eos=True)
+    env = VerifiersEnv("vf-sums", {"n": args.requests})
+    rows = env.rows()
+    prompts = [
+        Prompt(id=r.id, token_ids=chat.tokens(chat.render(r.messages)), messages=r.messages, answer=r.answer,
+               task=r.task, metadata=r.metadata)
+        for r in rows
+    ]
+    server = AgentServer(args.model, spec)
+    source = OpenEnvSource(openenv_sums.SumsClient, server="openenv_sums:app", sessions=args.requests)
+    try:
+        await engine.start()
+        await server.start()
+        await source.start()
+        await direct(engine, chat, spec, prompts[:4], "warmup")
+        await verifiers(engine, chat, spec, server, env, prompts[:4], "warmup")
+        await openenv(engine, chat, spec, source, prompts[:4], "warmup")
+        through_verifiers = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
+                ("verifiers episodes", lambda tag: verifiers(engine, chat, spec, server, env, prompts, tag)),
+            ],
+            args.rounds,
+        )
+        through_openenv = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
+                ("OpenEnv episodes", lambda tag: openenv(engine, chat, spec, source, prompts, tag)),
+            ],
+            args.rounds,
+        )
+    finally:
+        await env.aclose()
+        await source.aclose()
+        await server.aclose()
+        await engine.aclose()
+    report(*through_verifiers, args, "verifiers_ratio")
+    report(*through_openenv, args, "openenv_ratio")
+
+
+if __name__ == "__main__":
+    asyncio.run(main(engine_args(__doc__, rounds=12)))  # short rounds: more of them for a stable median
