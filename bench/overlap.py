@@ -10,23 +10,27 @@ generating) for both, the event loop's CPU time (it also runs vLLM's client-side
 processing, and shares core 1 with the trainer), the speedup, and last
 `RESULT overlap_speedup=<x> overlap_efficiency=<e> trainer_idle_async=<y> max_tokens=<n>`.
 
-Overlap pays most when generation and training take the same time, and how long each takes
-depends on the CPU. So by default the benchmark first calibrates on the machine at hand: a
-4-step synchronous run at the workload's size measures both stages, and the completion length
-is set to balance them (`--no-calibrate`, or an explicit `--max-tokens`, keeps the size). The
-efficiency is the measured speedup ÷ the ideal one from the synchronous run's own stage times,
-(generate + train) / max(generate, train): it says how much of the available overlap rollflow
-realised, whatever the balance of this machine.
+Overlap pays most when generation and training take about the same time, and how long each
+takes depends on the CPU. So by default the benchmark first calibrates on the machine at hand:
+two 4-step synchronous runs at the workload's size (completions of its length and of half of it)
+fit each stage's time as a fixed part plus a part per token (generation per completion token,
+training per token the trainer's layout puts through the model: each group's prompt once), and
+the completion length is set so that generation takes 0.8 of training (the two slow each other
+down when they run together, so aiming under balance keeps the trainer busy); where no length
+does (generating is cheaper per token than training), completions four times the groups'
+prompt tokens keep most of the overlap without the slowest steps. The steps are then cut so the
+two runs fit about 10 minutes (`--no-calibrate`, or an explicit `--max-tokens`, keeps the size).
+The efficiency is the measured speedup ÷ the ideal one from the synchronous run's own stage
+times, (generate + train) / max(generate, train): it says how much of the available overlap
+rollflow realised, whatever the balance of this machine.
 
 Workloads (`--workload`; the other flags override their sizes):
 
 - `smollm2` (default): SmolLM2-135M-Instruct (the `default` preset's model), 2 groups x 4 samples
-  x 96 tokens per step, a one-line system prompt, 10 steps; generation and training each take
-  about 9 s a step here. About 9 minutes in all.
-- `tiny`: the tiny random model, 8 groups x 4 samples x 64 tokens and a 400-character shared
-  system prompt, 24 steps; about 1.5 minutes. Its compute per token is so small that the
-  controller's per-token work is a fifth of the trainer's core, which caps the speedup near 1.75
-  on 2 cores (see the README).
+  per step, a one-line system prompt, 10 steps (fewer if they would not fit).
+- `tiny`: the tiny random model, 8 groups x 4 samples and a 1,600-character shared system prompt
+  (training pays for each group's prompt, generation finds it in the prefix cache: a long one
+  lets training keep up with a model this small), 24 steps; about 2 minutes.
 
     bin/dev python bench/overlap.py [--workload smollm2|tiny] [--steps N] [--groups N] [--group-size N]
         [--max-tokens N] [--system-chars N] [--max-lag 2] [--keep DIR]
@@ -50,7 +54,7 @@ from rollflow.controller import train
 ENGINE_CORE, CONTROLLER_CORE = 0, 1
 WORKLOADS = {
     "smollm2": {"preset": "default", "steps": 10, "groups": 2, "group_size": 4, "max_tokens": 96, "system_chars": 23},
-    "tiny": {"preset": "tiny", "steps": 24, "groups": 8, "group_size": 4, "max_tokens": 64, "system_chars": 400},
+    "tiny": {"preset": "tiny", "steps": 24, "groups": 8, "group_size": 4, "max_tokens": 64, "system_chars": 1600},
 }
 SYSTEM_WORDS = "Answer with the number. " + " ".join(["think step by step then answer with the number"] * 40)
 """A shared system prompt, cut to `--system-chars`. A long one shifts work towards the trainer,
@@ -136,29 +140,81 @@ def stage_times(r: dict[str, float]) -> tuple[float, float]:
     return r["wait_s"] / r["steps"], r["train_s"] / r["steps"]
 
 
-def balanced_tokens(gen_s: float, train_s: float, tokens: int, prompt: int) -> int:
-    """Completion length at which generation and training take the same time per step.
+GENERATION_SHARE = 0.8
+"""Calibration aims generation at this share of training in the synchronous run: running side by
+side in the asynchronous run, the two share the machine and generation slows down, so aiming a
+little under balance keeps the trainer from waiting for batches."""
 
-    Generation is taken as proportional to completion tokens (decoding dominates), training as
-    proportional to prompt + completion tokens (each sample's prompt is trained on again); a
-    machine whose engine is slow per token gets shorter completions, one whose trainer is slow
-    gets longer ones."""
-    g = gen_s / tokens  # seconds per completion token, generating
-    k = train_s / (prompt + tokens)  # seconds per token, training
-    if g <= k:  # generation is always cheaper: the longest completions come closest
-        return 4 * tokens
-    return max(16, min(4 * tokens, round(k * prompt / (g - k))))
+BUDGET_S = 600.0
+"""Seconds the two measured runs may take together, estimated from the calibration: past it the
+steps are cut (to no fewer than `MIN_STEPS`), so the benchmark ends within a quarter hour."""
+
+MIN_STEPS = 6
+
+
+def balanced_tokens(
+    gen: tuple[float, float], train: tuple[float, float], limit: int, prompt: float, groups: int, samples: int
+) -> tuple[int, bool]:
+    """The completion length at which generation takes `GENERATION_SHARE` of training per step,
+    and whether one exists up to `limit`.
+
+    `gen` and `train` are each stage's seconds per step as a fixed part and a part per token
+    (fitted to two calibration runs): generation per completion token of the step, training per
+    token the trainer's layout puts through the model, each group's prompt once and every
+    completion (`shared_prompt`, the default). When no length up to `limit` balances them
+    (generating is cheaper per token than training and its fixed part is not enough), the
+    length is where the generation's share comes closest without the longest, slowest steps:
+    completions four times the groups' prompt tokens, at most `limit`."""
+    (gen_fixed, gen_per), (train_fixed, train_per) = gen, train
+    r = GENERATION_SHARE
+    # gen_fixed + gen_per·S·T = r·(train_fixed + train_per·(G·P + S·T))
+    slope = samples * (gen_per - r * train_per)
+    level = r * (train_fixed + train_per * groups * prompt) - gen_fixed
+    if slope > 0 and level > 0 and level / slope <= limit:
+        return max(16, round(level / slope)), True
+    if slope < 0 and level < 0:  # generation too slow even at the shortest: longer helps training catch up
+        return max(16, min(limit, round(level / slope))), level / slope <= limit
+    return max(16, min(limit, round(4 * groups * prompt / samples))), False
+
+
+def step_estimate(gen: tuple[float, float], train: tuple[float, float], length: int, prompt: float, groups: int,
+                  samples: int) -> float:
+    """A synchronous step's seconds at completions of `length`, from the fitted stage times."""
+    return gen[0] + gen[1] * samples * length + train[0] + train[1] * (groups * prompt + samples * length)
+
+
+def fit_two(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
+    """The line through two points, (intercept, slope), the intercept kept at 0 or above."""
+    slope = (y2 - y1) / (x2 - x1) if x2 != x1 else y2 / x2
+    intercept = y1 - slope * x1
+    if intercept < 0:
+        return 0.0, y2 / x2
+    return intercept, max(slope, 0.0)
 
 
 async def calibrate(args: argparse.Namespace) -> None:
-    """A short synchronous run at the workload's size, then `args.max_tokens` set to balance it."""
-    quick = argparse.Namespace(**{**vars(args), "steps": 4, "keep": None})
-    r = await one(0, quick)
-    gen_s, train_s = stage_times(r)
+    """Two short synchronous runs at the workload's size, with completions of its length and of
+    half of it; each stage's time fitted as a fixed part plus a part per token; then
+    `args.max_tokens` set to balance them and `args.steps` cut to fit `BUDGET_S`."""
     prompt = prompt_tokens(config_of(args))
-    args.max_tokens = balanced_tokens(gen_s, train_s, args.max_tokens, prompt)
-    print(f"calibration (synchronous, {quick.steps} steps of {quick.max_tokens} tokens, prompts ~{prompt:.0f} "
-          f"tokens): generate {gen_s:.2f} s, train {train_s:.2f} s a step -> max_tokens={args.max_tokens}")
+    samples = args.groups * args.group_size
+    lengths = (max(16, args.max_tokens // 2), args.max_tokens)
+    points = []
+    for length in lengths:
+        quick = argparse.Namespace(**{**vars(args), "steps": 4, "keep": None, "max_tokens": length})
+        points.append(stage_times(await one(0, quick)))
+    (g1, t1), (g2, t2) = points
+    gen = fit_two(samples * lengths[0], g1, samples * lengths[1], g2)
+    train = fit_two(args.groups * prompt + samples * lengths[0], t1, args.groups * prompt + samples * lengths[1], t2)
+    args.max_tokens, found = balanced_tokens(gen, train, 4 * lengths[1], prompt, args.groups, samples)
+    step = step_estimate(gen, train, args.max_tokens, prompt, args.groups, samples)
+    fits = int(BUDGET_S / (step * 1.7))  # the synchronous run, and the asynchronous one at ~0.7 of it
+    if fits < args.steps:
+        args.steps = max(MIN_STEPS, fits)
+    how = f"generation at {GENERATION_SHARE} of training" if found else "no balance: closest without the longest"
+    print(f"calibration (synchronous, 4 steps each of {lengths[0]} and {lengths[1]} tokens, prompts ~{prompt:.0f} "
+          f"tokens): generate {g1:.2f} / {g2:.2f} s, train {t1:.2f} / {t2:.2f} s a step -> "
+          f"max_tokens={args.max_tokens} ({how}), {args.steps} steps of about {step:.1f} s")
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from rollflow.__main__ import main
+from rollflow.cli import main
 from rollflow.config import load_config
 from rollflow.controller import Controller
 from rollflow.records import SamplingSpec
@@ -166,3 +166,101 @@ def test_simulate_command_prints_a_row_and_rejects_bad_sweeps(capsys, tmp_path):
     assert main(["simulate", "--sweep", "gpus=1,2"]) == 2
     assert "expected NAME=V1,V2" in capsys.readouterr().err
     assert main(["simulate", "--lengths", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_the_default_scenario_simulates(capsys):
+    """The defaults (a 1,024-token budget after 256-token prompts) are a context no tiny-preset
+    engine setting allows: the simulated run gets a context that fits its scenario."""
+    assert main(["simulate", "--steps", "2", "--groups", "2", "--group-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "result" in out and "confidence: planning profile" in out
+
+
+TRUE_FIXED_S, TRUE_PER_TOKEN_S = 0.05, 60e-6
+"""The ground truth's trainer: a step costs this plus this per token of the tensors it lays out."""
+TRUE_STEPS = ((1, 0.002), (8, 0.003), (16, 0.0045), (32, 0.0052))
+"""The ground truth's engine: decode step seconds by batch size (not a line)."""
+
+
+class LaidOutTrainer(SimTrainer):
+    """Ground truth for the calibration replay: a step costs what the trainer's own code puts
+    through the model, the tokens of the tensors `pad` lays out for each micro-batch of the plan
+    (not the simulator's `model_tokens` count of them)."""
+
+    def step_s(self, batch):
+        import torch
+
+        from rollflow.trainer.batches import pad, plan_micro_batches
+
+        p, samples = self.profile, batch.samples
+        plan = plan_micro_batches(samples, list(range(len(samples))), p.micro_batch_tokens, p.layout)
+        tokens = sum(pad([samples[i] for i in micro], torch.device("cpu"), p.layout)["tokens"] for micro in plan)
+        return TRUE_FIXED_S + tokens * TRUE_PER_TOKEN_S
+
+
+def test_a_calibration_replays_its_run_and_predicts_another(monkeypatch):
+    """What bench/simulator_validation.py does on the CPU, on ground truths whose costs are known:
+    fit the profiles to a synchronous run, replay it, predict a run of other group sizes. A change
+    that makes the simulated trainer's cost stop following the layout's model tokens (as when
+    shared prompts became the default) breaks the prediction here."""
+    import rollflow.sim as sim
+    from rollflow.sim.calibrate import engine_profile, errors, fit_to_run, summary, trainer_profile
+
+    lengths = LengthModel(mean=48, sigma=0.6, seed=3)
+    truth = EngineProfile(fixed_s=0.0, per_seq_s=0.0, step_table=TRUE_STEPS, prefill_per_token_s=2e-6,
+                          max_num_seqs=64)
+
+    def scenario(engine, trainer, max_lag, groups, group_size):
+        return Scenario(engine=engine, trainer=trainer, lengths=lengths, max_lag=max_lag, steps=12,
+                        groups_per_step=groups, group_size=group_size, prompt_tokens=200, max_tokens=96)
+
+    with monkeypatch.context() as patched:  # the "real" runs: the ground truth's trainer
+        patched.setattr(sim, "SimTrainer", LaidOutTrainer)
+        placeholder = TrainerProfile(s_per_token=0.0, weight_bytes=10**6, sync_bytes_per_s=1e9)
+        real_a = simulate(scenario(truth, placeholder, 0, 8, 4)).metrics
+        real_b = simulate(scenario(truth, placeholder, 2, 2, 16)).metrics
+
+    # A microbenchmark's level is off by 30% (a busier minute); the run sets it right.
+    measured = engine_profile({b: s * 1.3 for b, s in TRUE_STEPS}, prefill_per_token_s=2.6e-6, max_num_seqs=64)
+    trainer = trainer_profile(real_a, layout="shared_prompt", micro_batch_tokens=4096)
+    assert trainer.s_per_token == pytest.approx(TRUE_PER_TOKEN_S, rel=0.05)
+    engine, trainer = fit_to_run(
+        measured, trainer, lambda e, t: simulate(scenario(e, t, 0, 8, 4)).metrics, real_a
+    )
+    replay = errors(summary(simulate(scenario(engine, trainer, 0, 8, 4)).metrics), summary(real_a))
+    predicted = errors(summary(simulate(scenario(engine, trainer, 2, 2, 16)).metrics), summary(real_b))
+    assert abs(replay["steps_per_s_pct"]) < 2 and abs(replay["trainer_idle_pts"]) < 1, replay
+    assert abs(predicted["steps_per_s_pct"]) < 3 and abs(predicted["trainer_idle_pts"]) < 2, predicted
+
+
+def test_a_measured_step_table_is_interpolated_and_extended_along_its_ends():
+    profile = EngineProfile(fixed_s=9.0, per_seq_s=9.0, step_table=((4, 0.002), (16, 0.003), (32, 0.006)))
+    assert profile.decode_s(4) == pytest.approx(0.002) and profile.decode_s(32) == pytest.approx(0.006)
+    assert profile.decode_s(10) == pytest.approx(0.0025)  # between the measured sizes
+    assert profile.decode_s(24) == pytest.approx(0.0045)
+    assert profile.decode_s(48) == pytest.approx(0.009)  # beyond: along the last segment
+    assert profile.decode_s(1) == pytest.approx(0.00175)
+    assert EngineProfile(fixed_s=0.01, per_seq_s=0.001).decode_s(10) == pytest.approx(0.02)  # no table: the line
+    assert profile.step_s(16, context_tokens=100, prefill_tokens=0) == pytest.approx(0.003)
+
+
+def test_a_saved_calibration_loads_and_simulate_says_how_far_to_trust_it(tmp_path, capsys):
+    from rollflow.sim.calibrate import Calibration
+
+    calibration = Calibration(
+        engine=EngineProfile(fixed_s=0.002, per_seq_s=1e-4, step_table=((1, 0.002), (32, 0.005))),
+        trainer=TrainerProfile(s_per_token=8e-5, weight_bytes=2 * 10**6, stage_bytes_per_s=1e9, sync_bytes_per_s=1e9),
+        lengths=[20, 30, 40, 64], prompt_tokens=119, machine="a test machine",
+        replay={"steps_per_s_pct": 0.2, "trainer_idle_pts": -0.1},
+        predicted={"steps_per_s_pct": -5.2, "trainer_idle_pts": 1.1},
+    )
+    calibration.save(tmp_path / "profile.json")
+    assert Calibration.load(tmp_path / "profile.json") == calibration
+    assert main(["simulate", "--profile", str(tmp_path / "profile.json"), "--steps", "3", "--groups", "2",
+                 "--group-size", "4", "--prompt-tokens", "119", "--max-tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    assert ("confidence: calibrated on a test machine: reproduced its calibration run within 0.2% steps/s, "
+            "0.1 points trainer idle; another configuration within 5.2% steps/s, 1.1 points trainer idle") in out
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["simulate", "--profile", str(tmp_path / "bad.json")]) == 2
+    assert "not a calibration saved by bench/simulator_validation.py" in capsys.readouterr().err

@@ -257,3 +257,24 @@ def test_packed_plans_fill_the_budget_and_share_each_prompt_once():
     assert t["segments"] == [(0, 10, 0, 0), (10, 15, 0, 10), (15, 45, 0, 10), (45, 57, 0, 10), (57, 60, 0, 10)]
     assert t["positions"][0, 15].item() == 10  # the second completion's positions follow the prompt
     assert t["gather"][5].item() == 9  # its first token is predicted by the prompt's last position
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared_prompt"])
+def test_model_tokens_counts_what_the_layout_lays_out(layout):
+    """The count the metrics and the simulator use equals the tokens of the tensors a step builds."""
+    import random
+
+    from rollflow.trainer.batches import model_tokens, pad
+
+    rng = random.Random(7)
+    samples = []
+    for group in range(5):
+        prompt = [rng.randrange(3, 90) for _ in range(rng.randint(5, 40))]
+        for _ in range(4):
+            n = rng.randint(1, 60)
+            samples.append(TrainSample(input_ids=prompt + [group + 3] * n, prompt_len=len(prompt),
+                                       logprobs=[0.0] * n, loss_mask=[1] * n, advantage=1.0))
+    for budget in (64, 200, 4096):
+        plan = plan_micro_batches(samples, list(range(len(samples))), budget, layout)
+        laid_out = sum(pad([samples[i] for i in micro], torch.device("cpu"), layout)["tokens"] for micro in plan)
+        assert model_tokens(samples, budget, layout) == laid_out

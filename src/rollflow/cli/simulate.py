@@ -23,9 +23,17 @@ def add(commands: Any) -> None:
     sim.add_argument("--partial", default="keep", choices=["keep", "resume", "restart"], help="partial rollout mode")
     sim.add_argument(
         "--lengths",
-        default="lognormal:300,0.8",
+        default=None,
         metavar="lognormal:MEAN,SIGMA|FILE",
-        help="completion lengths: a lognormal, a run's ledger.jsonl or trace.json, or a file of lengths",
+        help="completion lengths: a lognormal, a run's ledger.jsonl or trace.json, or a file of lengths "
+        "(default lognormal:300,0.8, or a --profile's own)",
+    )
+    sim.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="engine and trainer profiles measured on a machine (bench/simulator_validation.py --save-profile) "
+        "instead of --model-size/--gpu's planning numbers",
     )
     sim.add_argument("--rho", type=float, default=0.5, help="within-group correlation of log-lengths (default 0.5)")
     sim.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")

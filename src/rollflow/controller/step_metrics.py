@@ -105,6 +105,10 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     """Time the training loop waited for the batch."""
     train_step_s: float
     """Time of the trainer step."""
+    model_tokens: int = 0
+    """Tokens the step put through the model in `trainer.layout`, padding included (each group's
+    prompt once with `shared_prompt`): what a step's compute follows (the simulator's trainer
+    cost is per model token)."""
     weight_sync_s: float
     """Time the training loop waited for weight sync: the previous engine load and the staging copy."""
     weight_sync_bytes: int

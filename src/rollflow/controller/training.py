@@ -34,6 +34,7 @@ from rollflow.evaluate import HeldOut
 from rollflow.metrics import LoopLag, MetricsSink
 from rollflow.records import Group
 from rollflow.trace import Trace
+from rollflow.trainer.batches import model_tokens
 
 
 class TrainingLoop:
@@ -167,7 +168,7 @@ class TrainingLoop:
 
     def _batch(self, step: int, groups: list[Group]) -> tuple[Any, dict[str, Any]]:
         cfg = self.config
-        return build_batch(
+        batch, stats = build_batch(
             step,
             groups,
             max_lag=cfg.run.max_lag,
@@ -176,6 +177,9 @@ class TrainingLoop:
             distill_coef=cfg.scoring.distill_coef,
             filter_overlong=cfg.rollout.overlong == "filter",
         )
+        trainer = cfg.trainer
+        stats["model_tokens"] = model_tokens(batch.samples, trainer.micro_batch_tokens, trainer.layout)
+        return batch, stats
 
     def _trace_step(self, step: int, began: float, ended: float, samples: int) -> None:
         self.trace.span("train step", "trainer", began, ended, step=step, samples=samples)

@@ -80,6 +80,8 @@ async def _simulate(scenario: Scenario, output_dir: Path) -> SimResult:
         f"rollout.group_size={scenario.group_size}",
         f"rollout.partial={scenario.partial}",
         f"sampling.max_tokens={scenario.max_tokens}",
+        # The simulated engine's context holds the scenario's prompts and completions.
+        f"engine.max_model_len={scenario.prompt_tokens + scenario.max_tokens}",
         "run.reward=digits",
         "observe.sinks=[]",
         "checkpoint.enabled=false",  # a simulated trainer has no state to save

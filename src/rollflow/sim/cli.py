@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rollflow.errors import UserInputError
 from rollflow.sim import SWEEPABLE, Scenario, SimResult, simulate, varied
+from rollflow.sim.calibrate import PLANNING, Calibration
 from rollflow.sim.components import LengthModel
 from rollflow.sim.profiles import engine_profile, trainer_profile
 
@@ -23,18 +24,38 @@ def _positive(name: str, value: int) -> int:
     return value
 
 
-def scenario_from(args: argparse.Namespace) -> Scenario:
+DEFAULT_LENGTHS = "lognormal:300,0.8"
+
+
+def calibration_of(args: argparse.Namespace) -> Calibration | None:
+    """The `--profile` calibration, or None for the built-in planning profiles."""
+    if getattr(args, "profile", None) is None:
+        return None
+    try:
+        return Calibration.load(args.profile)
+    except ValueError as err:
+        raise UserInputError(str(err)) from None
+
+
+def scenario_from(args: argparse.Namespace, calibration: Calibration | None = None) -> Scenario:
     for name in ("inference_gpus", "trainer_gpus", "steps", "groups", "group_size", "prompt_tokens", "max_tokens"):
         _positive(name.replace("_", "-"), getattr(args, name))
     if args.max_lag < 0:
         raise UserInputError(f"--max-lag: expected 0 or more, got {args.max_lag}")
     try:
-        lengths = LengthModel.parse(args.lengths, rho=args.rho)
+        if args.lengths is None and calibration is not None and calibration.lengths:
+            lengths = LengthModel(empirical=calibration.lengths, rho=args.rho)
+        else:
+            lengths = LengthModel.parse(args.lengths or DEFAULT_LENGTHS, rho=args.rho)
     except ValueError as err:
         raise UserInputError(str(err)) from None
+    if calibration is not None:
+        engine, trainer = calibration.engine, calibration.trainer
+    else:
+        engine, trainer = engine_profile(args.model_size, args.gpu), trainer_profile(args.model_size)
     return Scenario(
-        engine=engine_profile(args.model_size, args.gpu),
-        trainer=trainer_profile(args.model_size),
+        engine=engine,
+        trainer=trainer,
         lengths=lengths,
         inference_gpus=args.inference_gpus,
         trainer_gpus=args.trainer_gpus,
@@ -71,13 +92,17 @@ def parse_sweep(spec: str) -> tuple[str, list[int]]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    scenario = scenario_from(args)
+    calibration = calibration_of(args)
+    scenario = scenario_from(args, calibration)
     s = scenario
+    hardware = f"profile {args.profile}" if calibration is not None else f"model {args.model_size} on {args.gpu}"
+    lengths = args.lengths or ("the profile's" if calibration is not None and calibration.lengths else DEFAULT_LENGTHS)
     print(
-        f"model {args.model_size} on {args.gpu}; {s.inference_gpus} inference GPU(s), {s.trainer_gpus} trainer GPU(s);"
+        f"{hardware}; {s.inference_gpus} inference GPU(s), {s.trainer_gpus} trainer GPU(s);"
         f" {s.groups_per_step} groups x {s.group_size} samples, prompt {s.prompt_tokens} tokens, lengths"
-        f" {args.lengths} (max {s.max_tokens}), max_lag {s.max_lag}, partial {s.partial}, {s.steps} steps"
+        f" {lengths} (max {s.max_tokens}), max_lag {s.max_lag}, partial {s.partial}, {s.steps} steps"
     )
+    print(f"confidence: {calibration.confidence() if calibration is not None else PLANNING}")
     print("(virtual time; wasted = tokens generated then withheld for staleness or discarded by restart)")
     print(HEADER)
     if not args.sweep:

@@ -3,13 +3,16 @@
 - `SimEngine`: the `Engine` contract of `FakeEngine` (streaming, abort, pause, preemption, exact
   per-token versions) with a continuous-batching performance model: each of `replicas`
   data-parallel engines runs one step at a time over its running requests (at most
-  `max_num_seqs`; later ones wait), a step takes `step_s(batch, context tokens)` plus the
-  prefill of newly admitted prompts, and every running request gets one token per step.
+  `max_num_seqs`; later ones wait), a step takes `step_s(batch, context tokens)` (a measured
+  table over batch sizes, or a line) plus the prefill of newly admitted prompts (once per
+  group: its other samples hit the prefix cache), and every running request gets one token per
+  step.
   Requests go to the replica with the fewest running + waiting requests. After a weight
   update, running requests prefill their whole context again (the KV cache was dropped).
   Engines and trainer on one host slow each other down by their `contended` factors.
-- `SimTrainer`: a step takes `fixed_s + tokens × s_per_token / gpus` (prompt and completion
-  tokens: the forward/backward pass sees both).
+- `SimTrainer`: a step takes `fixed_s + model tokens × s_per_token / gpus`, the model tokens
+  being those the trainer's own plan puts through the model in its layout
+  (`rollflow.trainer.batches.model_tokens`: each group's prompt once with `shared_prompt`).
 - `SimTransport`: staging and loading take bytes / bandwidth (+ a fixed cost per load).
 - `LengthModel`: completion lengths from a lognormal or an empirical distribution (a run's
   ledger or trace, or a list), correlated within a GRPO group (`rho`: the share of log-length
@@ -34,22 +37,30 @@ from typing import Any, TypeVar
 from rollflow.records import TrainBatch
 from rollflow.testing import FakeEngine, FakeTrainer
 from rollflow.trainer import TrainerBackend
+from rollflow.trainer.batches import Layout, model_tokens
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class EngineProfile:
-    """Time of one continuous-batching decode step on one engine replica."""
+    """Time of one continuous-batching decode step on one engine replica: a measured table over
+    batch sizes (`step_table`, interpolated), or `fixed_s + per_seq_s × batch`."""
 
     fixed_s: float
     """Per step, whatever the batch (reading the weights, scheduling)."""
     per_seq_s: float
     """Per running sequence in the step."""
+    step_table: tuple[tuple[int, float], ...] = ()
+    """Measured decode step seconds by batch size, ascending ((4, 0.0019), (16, 0.0029), ...):
+    when given, a step's time at batch b is interpolated linearly between the two sizes around
+    b (beyond the ends, along the nearest segment) instead of `fixed_s + per_seq_s × b`, since
+    a CPU's step is not linear in the batch."""
     per_context_token_s: float = 0.0
     """Per token of context (prompt + generated) of every running sequence (reading KV)."""
     prefill_per_token_s: float = 0.0
-    """Per prompt token of a newly admitted request (paid in the step that admits it)."""
+    """Per prompt token of a newly admitted request (paid in the step that admits it), once per
+    GRPO group: the group's other samples find its prompt in the prefix cache."""
     max_num_seqs: int = 256
     contended: float = 1.0
     """Step-time factor while the trainer computes: engines and trainer sharing a host's cores
@@ -59,12 +70,20 @@ class EngineProfile:
     whole context again in their next step (rollflow's default, `engine.keep_kv_on_update`
     false)."""
 
+    def decode_s(self, batch: int) -> float:
+        """The decode step's time at `batch` running sequences, context aside."""
+        table = self.step_table
+        if not table:
+            return self.fixed_s + self.per_seq_s * batch
+        if len(table) == 1:
+            return table[0][1]
+        k = next((i for i in range(1, len(table) - 1) if batch <= table[i][0]), len(table) - 1)
+        (b0, s0), (b1, s1) = table[k - 1], table[k]
+        return max(0.0, s0 + (s1 - s0) * (batch - b0) / (b1 - b0))
+
     def step_s(self, batch: int, context_tokens: int, prefill_tokens: int = 0) -> float:
         return (
-            self.fixed_s
-            + self.per_seq_s * batch
-            + self.per_context_token_s * context_tokens
-            + self.prefill_per_token_s * prefill_tokens
+            self.decode_s(batch) + self.per_context_token_s * context_tokens + self.prefill_per_token_s * prefill_tokens
         )
 
 
@@ -73,7 +92,13 @@ class TrainerProfile:
     """Time of one optimizer step and of moving the weights to the engines."""
 
     s_per_token: float
-    """Forward + backward time per token (prompt and completion) on one GPU."""
+    """Forward + backward time per model token on one GPU: per token the trainer's layout puts
+    through the model (`rollflow.trainer.batches.model_tokens`: padding included, each group's
+    prompt once with `shared_prompt`)."""
+    layout: Layout = "shared_prompt"
+    """The trainer's layout (`trainer.layout`), which decides the model tokens of a batch."""
+    micro_batch_tokens: int = 4096
+    """The trainer's micro-batch budget (`trainer.micro_batch_tokens`; padding depends on it)."""
     fixed_s: float = 0.0
     """Per step (optimizer step, gradient clipping, synchronisation)."""
     weight_bytes: int = 0
@@ -188,6 +213,8 @@ class _Replica:
     stepping: bool = False
     recompute: set[str] = field(default_factory=set)
     """Running requests whose KV was dropped by a weight update."""
+    cached: set[str] = field(default_factory=set)
+    """Groups whose prompt is in this replica's prefix cache (emptied by a weight update)."""
 
 
 class SimEngine(FakeEngine):
@@ -234,6 +261,8 @@ class SimEngine(FakeEngine):
         if self.profile.recompute_on_update:
             for replica in self.replicas:
                 replica.recompute |= replica.running
+        for replica in self.replicas:  # the prefix cache is reset with every update
+            replica.cached.clear()
         return version
 
     async def _step_wait(self, request_id: str, context_tokens: int) -> None:
@@ -269,7 +298,10 @@ class SimEngine(FakeEngine):
             while replica.queue and len(replica.running) < self.profile.max_num_seqs:
                 request_id = replica.queue.popleft()
                 replica.running.add(request_id)
-                prefill += replica.pending[request_id][1] if request_id in replica.pending else 0
+                group = request_id.split("#", 1)[0].rsplit("/", 1)[0]
+                if request_id in replica.pending and group not in replica.cached:
+                    replica.cached.add(group)
+                    prefill += replica.pending[request_id][1]
             batch = [r for r in replica.running if r in replica.pending]
             if not batch:
                 replica.wake.clear()
@@ -310,8 +342,9 @@ class SimTrainer:
         """Set when engine and trainer share a host (`contended` factors apply)."""
 
     def step_s(self, batch: TrainBatch) -> float:
-        tokens = sum(len(s.input_ids) for s in batch.samples)
-        return self.profile.fixed_s + tokens * self.profile.s_per_token / self.gpus
+        profile = self.profile
+        tokens = model_tokens(batch.samples, profile.micro_batch_tokens, profile.layout)
+        return profile.fixed_s + tokens * profile.s_per_token / self.gpus
 
     async def step(self, batch: TrainBatch) -> dict[str, float]:
         loop = asyncio.get_running_loop()

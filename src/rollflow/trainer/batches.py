@@ -4,7 +4,9 @@
 `plan_shards` splits a batch across ranks by tokens, `plan_micro_batches` fills one rank's
 share into micro-batches under a token budget, `pad` turns a micro-batch into tensors in one of
 the three layouts (`Layout`: padded rows, one packed row, one packed row with each group's prompt
-once); `lr_factor` is the learning rate schedule. No optimizer and no IO here (`rollflow.trainer.model` owns the step).
+once); `model_tokens` counts the tokens a batch's plan puts through the model without building
+it (what a step costs, for the metrics and the simulator); `lr_factor` is the learning rate
+schedule. No optimizer and no IO here (`rollflow.trainer.model` owns the step).
 """
 
 from __future__ import annotations
@@ -121,6 +123,18 @@ def plan_micro_batches(
         else:
             bins.append((size, list(part)))
     return [sorted(members) for _, members in bins]
+
+
+def model_tokens(samples: list[TrainSample], budget: int, layout: Layout) -> int:
+    """The tokens one rank's plan of `samples` puts through the model, padding included: what
+    `pad(...)["tokens"]` sums to over the micro-batches of `plan_micro_batches`, without tensors."""
+    total = 0
+    for micro in plan_micro_batches(samples, list(range(len(samples))), budget, layout):
+        if layout == "padded":
+            total += len(micro) * max(len(samples[i].input_ids) for i in micro)
+        else:
+            total += sum(tokens_of(samples, unit, layout) for unit in units(samples, micro, layout))
+    return total
 
 
 def _plan_padded(samples: list[TrainSample], indices: list[int], budget: int) -> list[list[int]]:

@@ -1,0 +1,205 @@
+"""Profiles from measurements, and how well they reproduce what was measured.
+
+A calibrated simulation needs the engine's decode step time over batch sizes (measured by a
+microbenchmark: `engine_profile`), the trainer's time per model token and the weight-sync times
+(`trainer_profile`), the run's completion lengths, and how much engine and trainer slow each
+other down on a shared host; `fit_to_run` then sets the level of both costs to what a real
+synchronous run spent (their shapes stay the microbenchmarks'). `Calibration` holds all of it
+with the errors measured when it was made: the simulation of the run it was fitted on against
+that run (`replay`), and of another configuration against a run of it (`predicted`), so a
+prediction made with it (`rollflow simulate --profile FILE`) says how far to trust it. Saved and
+loaded as JSON. This module runs nothing; `bench/simulator_validation.py` measures.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rollflow.sim.components import EngineProfile, TrainerProfile
+from rollflow.trainer.batches import Layout
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b·x; returns (a, b). With one distinct x, the line through the origin."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    spread = sum((x - mx) ** 2 for x in xs)
+    if spread == 0:
+        return 0.0, my / mx if mx else 0.0
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread
+    return my - b * mx, b
+
+
+def engine_profile(
+    steps: dict[int, float], *, prefill_per_token_s: float, max_num_seqs: int, contended: float = 1.0
+) -> EngineProfile:
+    """The engine profile of measured decode step seconds by batch size (`step_table`)."""
+    table = tuple(sorted(steps.items()))
+    fixed, per_seq = fit_line([float(b) for b, _ in table], [s for _, s in table])
+    return EngineProfile(
+        fixed_s=max(fixed, 0.0),
+        per_seq_s=max(per_seq, 0.0),
+        step_table=table,
+        prefill_per_token_s=prefill_per_token_s,
+        max_num_seqs=max_num_seqs,
+        contended=contended,
+    )
+
+
+def trainer_profile(
+    metrics: list[dict[str, Any]],
+    *,
+    layout: Layout,
+    micro_batch_tokens: int,
+    contended: float = 1.0,
+    step: tuple[float, float] | None = None,
+) -> TrainerProfile:
+    """The trainer profile of a run's steady steps (its first step left out): the weight-sync
+    times (the trainer's staging wait, the engine's load) and, unless `step` gives them (fixed
+    seconds, seconds per model token, measured on batches of different sizes), the step time
+    fitted against the steps' `model_tokens`."""
+    steady = metrics[1:] or metrics
+    if step is not None:
+        fixed, per_token = step
+    else:
+        tokens = [float(m["model_tokens"]) for m in steady]
+        times = [float(m["train_step_s"]) for m in steady]
+        fixed, per_token = fit_line(tokens, times)
+        if per_token <= 0 or fixed < 0:  # too little spread in batch sizes to split the two
+            fixed, per_token = 0.0, sum(times) / sum(tokens)
+    weight_bytes = int(steady[0]["weight_sync_bytes"])
+    stage_s = sum(m["weight_sync_s"] for m in steady) / len(steady)
+    load_s = sum(m["engine_update_s"] for m in steady) / len(steady)
+    return TrainerProfile(
+        s_per_token=per_token,
+        layout=layout,
+        micro_batch_tokens=micro_batch_tokens,
+        fixed_s=fixed,
+        weight_bytes=weight_bytes,
+        stage_bytes_per_s=weight_bytes / max(stage_s, 1e-6),
+        sync_bytes_per_s=weight_bytes / max(load_s, 1e-6),
+        snapshots=True,
+        contended=contended,
+    )
+
+
+def scaled_engine(profile: EngineProfile, factor: float) -> EngineProfile:
+    """The same engine `factor` times slower in every step (its shape over batch sizes kept)."""
+    return replace(
+        profile,
+        fixed_s=profile.fixed_s * factor,
+        per_seq_s=profile.per_seq_s * factor,
+        step_table=tuple((batch, seconds * factor) for batch, seconds in profile.step_table),
+        per_context_token_s=profile.per_context_token_s * factor,
+        prefill_per_token_s=profile.prefill_per_token_s * factor,
+    )
+
+
+def fit_to_run(
+    engine: EngineProfile,
+    trainer: TrainerProfile,
+    replay: Callable[[EngineProfile, TrainerProfile], list[dict[str, Any]]],
+    real: list[dict[str, Any]],
+    *,
+    rounds: int = 5,
+    tolerance: float = 0.005,
+) -> tuple[EngineProfile, TrainerProfile]:
+    """The profiles scaled so that `replay` (a simulation of the calibration run with them)
+    spends what the run itself spent generating a batch (`batch_wait_s` of its synchronous
+    steps) and training it (`train_step_s`). The microbenchmarks measure each cost's shape (over
+    batch sizes, per model token); the run gives its level, the machine's speed while it ran,
+    which on a shared machine moves by tens of percent within minutes."""
+
+    def mean(metrics: list[dict[str, Any]], key: str) -> float:
+        steady = metrics[1:] or metrics
+        return sum(float(m[key]) for m in steady) / len(steady)
+
+    want_gen, want_train = mean(real, "batch_wait_s"), mean(real, "train_step_s")
+    for _ in range(rounds):
+        got = replay(engine, trainer)
+        gen, train = mean(got, "batch_wait_s"), mean(got, "train_step_s")
+        if gen <= 0 or train <= 0:
+            break
+        if abs(gen / want_gen - 1) < tolerance and abs(train / want_train - 1) < tolerance:
+            break
+        engine = scaled_engine(engine, want_gen / gen)
+        factor = want_train / train
+        trainer = replace(trainer, s_per_token=trainer.s_per_token * factor, fixed_s=trainer.fixed_s * factor)
+    return engine, trainer
+
+
+def summary(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """What a run is compared on, over its steady steps (the first left out): steps per second,
+    the trainer's idle share (waiting for a batch or for weight sync), mean step and generation rate."""
+    steady = metrics[1:] or metrics
+    wall = metrics[-1]["wall_s"] - metrics[0]["wall_s"] if len(metrics) > 1 else metrics[-1]["wall_s"]
+    return {
+        "steps_per_s": len(steady) / wall if wall > 0 else 0.0,
+        "trainer_idle": sum(m["batch_wait_s"] + m["weight_sync_s"] for m in steady) / wall if wall > 0 else 0.0,
+        "train_step_s": sum(m["train_step_s"] for m in steady) / len(steady),
+        "gen_tokens_per_s": sum(m["gen_tokens_per_s"] for m in steady) / len(steady),
+    }
+
+
+def errors(simulated: dict[str, float], real: dict[str, float]) -> dict[str, float]:
+    """How a simulation misses a real run: steps/s in percent of the real figure, trainer idle in
+    percentage points (a share, whose relative error means little near 0)."""
+    return {
+        "steps_per_s_pct": 100 * (simulated["steps_per_s"] - real["steps_per_s"]) / real["steps_per_s"],
+        "trainer_idle_pts": 100 * (simulated["trainer_idle"] - real["trainer_idle"]),
+    }
+
+
+@dataclass
+class Calibration:
+    """Profiles measured on one machine, the workload they were measured with, and the errors
+    the simulator made against real runs with them."""
+
+    engine: EngineProfile
+    trainer: TrainerProfile
+    lengths: list[int]
+    """Completion lengths of the calibration run."""
+    prompt_tokens: int
+    machine: str
+    replay: dict[str, float] = field(default_factory=dict)
+    """The calibration run simulated against itself (`errors`)."""
+    predicted: dict[str, float] = field(default_factory=dict)
+    """Another configuration, predicted, against a run of it (`errors`)."""
+
+    def confidence(self) -> str:
+        """One line on how far the profile's predictions can be trusted."""
+        parts = []
+        for name, measured in (("its calibration run", self.replay), ("another configuration", self.predicted)):
+            if measured:
+                parts.append(
+                    f"{name} within {abs(measured['steps_per_s_pct']):.1f}% steps/s, "
+                    f"{abs(measured['trainer_idle_pts']):.1f} points trainer idle"
+                )
+        said = "; ".join(parts) if parts else "no error measured"
+        return f"calibrated on {self.machine}: reproduced {said}"
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        try:
+            data = json.loads(Path(path).read_text())
+            engine = data.pop("engine")
+            engine["step_table"] = tuple(tuple(row) for row in engine.get("step_table", ()))
+            return cls(engine=EngineProfile(**engine), trainer=TrainerProfile(**data.pop("trainer")), **data)
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise ValueError(
+                f"--profile {path}: not a calibration saved by bench/simulator_validation.py ({err})"
+            ) from None
+
+
+PLANNING = (
+    "planning profile, not measured on this hardware: expect errors of tens of percent (on a CPU, "
+    "calibrated profiles reproduce their run within a few percent: docs/simulator.md)"
+)
+"""What `simulate` says of the built-in GPU profiles' confidence."""
