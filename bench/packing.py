@@ -23,12 +23,12 @@ import machine
 LAYOUTS = ("padded", "packed", "shared_prompt")
 
 
-def make_batch(groups: int, group_size: int, prompt_len: int, vocab: int, seed: int):
+def make_batch(groups: int, group_size: int, prompt_len: int, vocab: int, seed: int, mean: float = 300):
     from rollflow.records import TrainBatch, TrainSample
 
     rng = random.Random(seed)
     sigma = 0.8
-    mu = math.log(300) - sigma**2 / 2  # a lognormal whose mean is 300
+    mu = math.log(mean) - sigma**2 / 2  # a lognormal whose mean is `mean`
     samples = []
     for _ in range(groups):
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]

@@ -83,8 +83,10 @@ class Trainer:
         """(start, end, samples, tokens) of each micro-batch of the last step (monotonic seconds)."""
 
     def _shard(self, module: PolicyHead) -> PolicyHead:
-        """FSDP2 over ranks: each decoder layer is its own unit, the rest belongs to the root."""
-        if self.world_size == 1:
+        """FSDP2 over ranks: each decoder layer is its own unit, the rest belongs to the root.
+        Whenever a process group is up, a group of one rank included (the GPU check runs FSDP2
+        over NCCL on one device that way)."""
+        if not self.distributed:
             return module
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
