@@ -25,19 +25,7 @@ from pathlib import Path
 
 import machine
 
-
-def engine_child(pid: int) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"EngineCore" in cmdline and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            return int(entry.name)
-    return None
+from rollflow.testing import engine_processes
 
 
 def run(out: Path, steps: int, settings: list[str], src: str | None, kill_after: int | None = None) -> list[float]:
@@ -51,7 +39,7 @@ def run(out: Path, steps: int, settings: list[str], src: str | None, kill_after:
     if kill_after is not None:
         while proc.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < kill_after):
             time.sleep(0.1)
-        engine = engine_child(proc.pid)
+        engine = next(iter(engine_processes(proc.pid)), None)
         if engine is None:
             raise SystemExit("no engine process found to kill")
         os.kill(engine, 9)

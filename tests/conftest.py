@@ -123,6 +123,28 @@ def close():
     return assert_close
 
 
+@pytest.fixture(scope="session")
+def chat():
+    """The tiny model's chat format (its real tokenizer and template), for episode tests."""
+    from rollflow.envs import ChatFormat
+    from rollflow.models import load_tokenizer, tiny_model_path
+
+    return ChatFormat(load_tokenizer(tiny_model_path(0)))
+
+
+@pytest.fixture
+async def agent_server():
+    """A started agents' endpoint (`rollflow.agent.AgentServer`) serving model `tiny` with
+    temperature 1 and 64 tokens per call; closed after the test."""
+    from rollflow.agent import AgentServer
+    from rollflow.records import SamplingSpec
+
+    server = AgentServer("tiny", SamplingSpec(temperature=1.0, max_tokens=64))
+    await server.start()
+    yield server
+    await server.aclose()
+
+
 @pytest.fixture
 def example_environments(monkeypatch, request):
     """examples/environments/ on sys.path (the example verifiers and OpenEnv environments, which
@@ -135,14 +157,17 @@ def example_environments(monkeypatch, request):
 LONGEST_FIRST = (
     "integration/test_resume.py",
     "integration/test_cli.py",
-    "integration/test_update_failure.py",
-    "integration/test_export.py",
-    "integration/test_train.py",
     "integration/test_remote_engine.py",
-    "integration/test_objectives.py",
+    "integration/test_update_failure.py",
+    "integration/test_train.py",
+    "integration/test_export.py",
+    "integration/test_weight_sync.py",
     "integration/test_trainer_ranks.py",
+    "integration/test_lora_sync.py",
+    "unit/test_trainer.py",
+    "unit/test_gpu_check.py",
 )
-"""Test files that take minutes, longest first: with one file per worker at a time
+"""The test files that take longest, longest first: with one file per worker at a time
 (`--dist loadfile`), starting them first keeps both workers busy to the end."""
 
 

@@ -147,7 +147,7 @@ def export_checkpoint(run_dir: Path, *, step: int | None = None, out: Path | Non
     if lora and not merged:
         from peft import get_peft_model_state_dict
 
-        from rollflow.trainer.model import adapter_config_of
+        from rollflow.trainer.state import adapter_config_of
 
         return write_adapter(out, base, get_peft_model_state_dict(lm), adapter_config_of(lm))
     from rollflow.trainer.export import merged_lora_weights

@@ -1,4 +1,5 @@
-"""Shared real components: one vLLM engine per session on the tiny model, and HF references."""
+"""Shared real components: vLLM engines per session on the tiny model (one of them lent to every
+training run of the tiny preset in turn), and HF references."""
 
 from __future__ import annotations
 
@@ -81,6 +82,28 @@ async def plain_engine():
     )
     await eng.start()
     yield eng
+    await eng.aclose()
+
+
+@pytest.fixture(scope="session")
+async def tiny_preset_engine():
+    """`await tiny_preset_engine()`: an engine of the tiny preset's settings for one training run
+    (`Controller(config, out, engine=...)`), back on the initial weights at version 0 (a run's
+    `start` and `aclose` leave it running). One per test session: the runs that would each start
+    their own engine for the same settings share it."""
+    from transformers import AutoModelForCausalLM
+
+    from rollflow.config import load_config
+    from rollflow.testing import lend
+
+    eng = VLLMEngine(tiny_model_path(0), load_config(preset="tiny").engine)
+    await eng.start()
+    weights = AutoModelForCausalLM.from_pretrained(tiny_model_path(0)).state_dict()
+
+    async def lent():
+        return await lend(eng, weights)
+
+    yield lent
     await eng.aclose()
 
 

@@ -81,7 +81,7 @@ async def test_what_the_client_received_is_recorded_with_exact_versions_across_a
 
 
 @pytest.mark.timeout(600)
-async def test_a_short_run_of_openai_agents_some_of_which_fail(tmp_path):
+async def test_a_short_run_of_openai_agents_some_of_which_fail(tmp_path, tiny_preset_engine):
     calls = itertools.count()
 
     async def agent(task, base_url):
@@ -98,7 +98,7 @@ async def test_a_short_run_of_openai_agents_some_of_which_fail(tmp_path):
 
     config = rollflow.load_config(preset="tiny", overrides=["run.max_steps=2", "env.max_tokens=96",
                                                             "observe.sinks=[]"])
-    result = await rollflow.train(config, tmp_path, agent=agent)
+    result = await rollflow.Controller(config, tmp_path, agent=agent, engine=await tiny_preset_engine()).run()
     assert result.steps == 2 and rollflow.audit_ledger(tmp_path).ok
     assert all(set(m["rewards"]) == {"env"} and m["agent_splits"] == 0 for m in result.metrics)
     assert all(m["turns_mean"] == 2.0 for m in result.metrics)  # the failed episodes are not in the batch

@@ -11,52 +11,43 @@ import subprocess
 import sys
 
 import pytest
-from transformers import AutoModelForCausalLM
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
-from rollflow.engine.vllm import VLLMEngine
 from rollflow.evaluate import held_out_report
 from rollflow.ledger import summarize
 from rollflow.models import load_tokenizer, tiny_model_path
 from rollflow.records import Message
 from rollflow.tasks.reasoning_gym import extract_answer
-from rollflow.testing import lend
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("example_environments")]
 
-BASE = ["engine.max_model_len=512", "observe.sinks=[]", "checkpoint.final_model=false", "run.max_steps=3"]
+BASE = ["observe.sinks=[]", "checkpoint.final_model=false", "run.max_steps=3"]
 
 
-@pytest.fixture(scope="module")
-async def shared():
-    """One engine of the tiny preset's settings, and the weights each run starts from."""
-    config = load_config(preset="tiny", overrides=BASE)
-    engine = VLLMEngine(tiny_model_path(0), config.engine)
-    await engine.start()
-    weights = AutoModelForCausalLM.from_pretrained(tiny_model_path(0)).state_dict()
-    yield engine, weights
-    await engine.aclose()
+@pytest.fixture
+def lender(tiny_preset_engine):
+    """The session's engine of the tiny preset, lent to each run (tests/integration/conftest.py)."""
+    return tiny_preset_engine
 
 
-async def run(shared, out, record_groups, *overrides, **given):
-    """A tiny-preset run with `overrides` on the shared engine; its result, the groups it trained
-    and the controller."""
-    engine, weights = shared
+async def run(lender, out, record_groups, *overrides, **given):
+    """A tiny-preset run with `overrides` on the session's shared engine; its result, the groups
+    it trained and the controller."""
     config = load_config(preset="tiny", overrides=[*BASE, *overrides])
-    controller = Controller(config, out, engine=await lend(engine, weights), **given)
+    controller = Controller(config, out, engine=await lender(), **given)
     result = await controller.run()
     assert summarize(out).ok  # every prompt accounted for exactly once
     return result, list(record_groups), controller
 
 
 @pytest.mark.timeout(300)
-async def test_a_reasoning_gym_task_trains_and_evaluates_with_its_own_scorer(shared, tmp_path, record_groups):
+async def test_a_reasoning_gym_task_trains_and_evaluates_with_its_own_scorer(lender, tmp_path, record_groups):
     import reasoning_gym
 
     settings = {"min_terms": 2, "max_terms": 2, "max_digits": 1}
     result, groups, controller = await run(
-        shared, tmp_path, record_groups, "data.task=reasoning_gym:chain_sum",
+        lender, tmp_path, record_groups, "data.task=reasoning_gym:chain_sum",
         "data.task_config={min_terms = 2, max_terms = 2, max_digits = 1}", "data.answer_from=last_number",
         "run.reward=verifier", "run.eval_prompts=4", "run.eval_every=2", "run.eval_pass_k=2", "sampling.max_tokens=8",
     )
@@ -72,14 +63,13 @@ async def test_a_reasoning_gym_task_trains_and_evaluates_with_its_own_scorer(sha
         for sample in group.samples:  # each reward is the dataset's own score of the completion's answer
             text = tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
             assert sample.reward == dataset.score_answer(extract_answer(text, "last_number"), entry), text
-    engine, _ = shared
-    report = await held_out_report(engine, controller.config, tokenizer, 4, 2)
+    report = await held_out_report(controller.engine, controller.config, tokenizer, 4, 2)
     assert report["task"] == "reasoning_gym:chain_sum" and report["k"] == 2 and report["unscorable"] == 0
     assert report["accuracy"] == pytest.approx(result.eval_after.accuracy)  # the same held-out items
 
 
 @pytest.mark.timeout(300)
-async def test_math_verify_scores_a_dataset_file(shared, tmp_path, record_groups):
+async def test_math_verify_scores_a_dataset_file(lender, tmp_path, record_groups):
     rows = [
         {"prompt": "Half of one, as a fraction?", "answer": "\\frac{1}{2}"},
         {"prompt": "What is 2 + 2?", "answer": "4"},
@@ -89,8 +79,8 @@ async def test_math_verify_scores_a_dataset_file(shared, tmp_path, record_groups
     data = tmp_path / "math.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     result, groups, _ = await run(
-        shared, tmp_path / "run", record_groups, "data.task=jsonl", f'data.paths=["{data}"]', "run.reward=math_verify",
-        "sampling.max_tokens=8", "run.max_steps=2",
+        lender, tmp_path / "run", record_groups, "data.task=jsonl", f'data.paths=["{data}"]',
+        "run.reward=math_verify", "sampling.max_tokens=8", "run.max_steps=2",
     )
     assert result.steps == 2 and groups
     from math_verify import parse, verify
@@ -105,9 +95,9 @@ async def test_math_verify_scores_a_dataset_file(shared, tmp_path, record_groups
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("env_id", ["vf-sums", "vf-calc"])
-async def test_a_verifiers_environment_trains_through_the_endpoint(shared, tmp_path, record_groups, env_id):
+async def test_a_verifiers_environment_trains_through_the_endpoint(lender, tmp_path, record_groups, env_id):
     result, groups, _ = await run(
-        shared, tmp_path, record_groups, f"env.verifiers={env_id}", "env.max_tokens=64", "sampling.max_tokens=16",
+        lender, tmp_path, record_groups, f"env.verifiers={env_id}", "env.max_tokens=64", "sampling.max_tokens=16",
         "rollout.group_size=4", "run.groups_per_step=2",
     )
     assert result.steps == 3 and len(groups) == 6
@@ -121,10 +111,10 @@ async def test_a_verifiers_environment_trains_through_the_endpoint(shared, tmp_p
 
 
 @pytest.mark.timeout(300)
-async def test_an_openenv_environment_trains_against_the_server_rollflow_starts(shared, tmp_path, record_groups):
+async def test_an_openenv_environment_trains_against_the_server_rollflow_starts(lender, tmp_path, record_groups):
     result, groups, _ = await run(
-        shared, tmp_path, record_groups, "env.openenv=openenv_sums:SumsClient", "env.openenv_server=openenv_sums:app",
-        "env.max_turns=2", "env.max_tokens=64", "sampling.max_tokens=8",
+        lender, tmp_path, record_groups, "env.openenv=openenv_sums:SumsClient",
+        "env.openenv_server=openenv_sums:app", "env.max_turns=2", "env.max_tokens=64", "sampling.max_tokens=8",
     )
     assert result.steps == 3 and groups
     tokenizer = load_tokenizer(tiny_model_path(0))

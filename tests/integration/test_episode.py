@@ -87,7 +87,7 @@ async def test_tool_episode_masks_versions_and_tool_timeout(engine_on_a, model_a
 
 
 @pytest.mark.timeout(600)
-async def test_a_short_run_with_the_calculator_environment(tmp_path):
+async def test_a_short_run_with_the_calculator_environment(tmp_path, tiny_preset_engine):
     config = rollflow.load_config(
         preset="tiny",
         overrides=[
@@ -98,7 +98,7 @@ async def test_a_short_run_with_the_calculator_environment(tmp_path):
             "observe.sinks=[]",
         ],
     )
-    result = await rollflow.train(config, tmp_path)
+    result = await rollflow.Controller(config, tmp_path, engine=await tiny_preset_engine()).run()
     assert result.steps == 2 and all(set(m["rewards"]) == {"env"} for m in result.metrics)
     assert all(m["unscorable"] == 0 and m["turns_mean"] >= 1 for m in result.metrics)
     assert rollflow.audit_ledger(tmp_path).ok

@@ -24,22 +24,26 @@ pytestmark = pytest.mark.integration
 PROMPT = [1, 735, 202, 276, 261, 264, 277, 281, 34, 2, 202, 1, 871, 202]
 
 
-async def trained(tmp_path, *overrides: str) -> tuple[Controller, RunResult]:
+async def trained(tmp_path, *overrides: str, engine=None) -> tuple[Controller, RunResult]:
     config = load_config(preset="tiny", overrides=["run.max_steps=2", "observe.sinks=[]", *overrides])
-    controller = Controller(config, tmp_path)
+    controller = Controller(config, tmp_path, engine=engine)
     result = await controller.run()
     assert result.steps == 2 and result.final_model == str((tmp_path / "final").absolute())
     return controller, result
 
 
 @pytest.mark.timeout(600)
-async def test_final_model_generates_as_the_trainer_in_transformers_and_vllm_and_starts_a_new_run(tmp_path):
+async def test_final_model_generates_as_the_trainer_in_transformers_and_vllm_and_starts_a_new_run(
+    tmp_path, tiny_preset_engine
+):
     from transformers import AutoModelForCausalLM
 
     from rollflow.engine.vllm import VLLMEngine
 
     run = tmp_path / "run"
-    controller, result = await trained(run, "run.eval_prompts=6", "run.eval_every=1", "run.eval_pass_k=2")
+    controller, result = await trained(
+        run, "run.eval_prompts=6", "run.eval_every=1", "run.eval_pass_k=2", engine=await tiny_preset_engine()
+    )
     # Evaluated during training after step 1; the last step's weights are scored after the run.
     assert {"eval_accuracy", "eval_pass_at_k", "eval_s"} <= result.metrics[0].keys()
     assert "eval_accuracy" not in result.metrics[1] and 0 <= result.metrics[0]["eval_pass_at_k"] <= 1

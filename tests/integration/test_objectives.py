@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollflow.config import load_config
-from rollflow.controller import train
+from rollflow.controller import Controller
 from rollflow.ledger import summarize
 
 pytestmark = pytest.mark.integration
@@ -19,8 +19,9 @@ pytestmark = pytest.mark.integration
     ids=["gspo", "cispo", "mini_batches_4", "filter_equal_rewards"],
 )
 @pytest.mark.timeout(600)
-async def test_the_tiny_preset_learns_its_reward(tmp_path, overrides):
-    result = await train(load_config(preset="tiny", overrides=[*overrides, "observe.sinks=[]"]), tmp_path)
+async def test_the_tiny_preset_learns_its_reward(tmp_path, overrides, tiny_preset_engine):
+    config = load_config(preset="tiny", overrides=[*overrides, "observe.sinks=[]"])
+    result = await Controller(config, tmp_path, engine=await tiny_preset_engine()).run()
     rewards = [m["reward_mean"] for m in result.metrics]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.1, rewards

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from rollflow.testing import alive, engine_processes
+
 pytestmark = pytest.mark.integration
 
 STEPS = 10
@@ -60,7 +62,7 @@ class Run:
 
     def _watch(self) -> None:
         while self.proc.poll() is None:
-            self.engines |= set(engine_children(self.proc.pid))
+            self.engines |= set(engine_processes(self.proc.pid))
             time.sleep(0.2)
 
     @property
@@ -79,29 +81,6 @@ class Run:
         for thread in self._threads:
             thread.join()
         return code
-
-
-def engine_children(pid: int) -> list[int]:
-    """vLLM engine processes whose parent is `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"EngineCore" in cmdline and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def assert_gone(pids: set[int], within_s: float = 10.0) -> None:
@@ -182,7 +161,7 @@ def test_a_killed_engine_process_is_restarted_and_the_run_completes(tmp_path):
     out = tmp_path / "run"
     run = Run(out, resume=False)
     run.wait_until(lambda: len(steps_done(out)) >= 2, "two training steps")
-    (engine_pid,) = engine_children(run.proc.pid)
+    (engine_pid,) = engine_processes(run.proc.pid)
     os.kill(engine_pid, signal.SIGKILL)
     killed_at = time.monotonic()
     assert run.wait() == 0, run.output

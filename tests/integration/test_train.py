@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollflow.config import load_config
-from rollflow.controller import train
+from rollflow.controller import Controller
 
 pytestmark = pytest.mark.integration
 
@@ -27,19 +27,20 @@ def assert_exactly_once(entries, result):
 
 
 @pytest.fixture(scope="module")
-async def async_run(tmp_path_factory):
+async def async_run(tmp_path_factory, tiny_preset_engine):
     """An 8-step asynchronous tiny run (max_lag 2) with the TensorBoard sink on."""
     out = tmp_path_factory.mktemp("asynchronous")
     config = load_config(
         preset="tiny", overrides=["run.max_lag=2", "run.max_steps=8", 'observe.sinks=["console","tensorboard"]']
     )
-    return config, await train(config, out), out
+    return config, await Controller(config, out, engine=await tiny_preset_engine()).run(), out
 
 
 @pytest.fixture(scope="module")
-async def sync_run(tmp_path_factory):
+async def sync_run(tmp_path_factory, tiny_preset_engine):
     out = tmp_path_factory.mktemp("synchronous")
-    return await train(load_config(preset="tiny", overrides=["run.max_lag=0", "run.max_steps=5"]), out), out
+    config = load_config(preset="tiny", overrides=["run.max_lag=0", "run.max_steps=5"])
+    return await Controller(config, out, engine=await tiny_preset_engine()).run(), out
 
 
 async def test_async_max_lag_2_never_trains_a_token_older_than_the_bound(async_run):
@@ -91,7 +92,7 @@ def test_trace_of_a_real_run_is_trace_event_json_with_every_span_kind(async_run)
 
 
 def test_plot_and_report_of_real_runs(async_run, sync_run, tmp_path):
-    from rollflow.__main__ import main
+    from rollflow.cli import main
 
     _, result, out = async_run
     _, sync_out = sync_run
@@ -119,8 +120,8 @@ def test_tensorboard_sink_of_a_real_run(async_run):
     assert {"lag_hist/0", "trainer_idle_frac", "engine_idle_frac", "weight_sync_s"} <= set(events.Tags()["scalars"])
 
 
-async def test_tiny_preset_learns_its_reward(tmp_path):
-    result = await train(load_config(preset="tiny"), tmp_path)
+async def test_tiny_preset_learns_its_reward(tmp_path, tiny_preset_engine):
+    result = await Controller(load_config(preset="tiny"), tmp_path, engine=await tiny_preset_engine()).run()
     rewards = [m["reward_mean"] for m in result.metrics]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.1, rewards

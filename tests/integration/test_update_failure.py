@@ -14,6 +14,7 @@ from rollflow.engine.vllm import VLLMEngine
 from rollflow.errors import EngineDeadError, EngineError, WeightSyncError
 from rollflow.models import tiny_model_path
 from rollflow.records import SamplingSpec
+from rollflow.testing import engine_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -131,15 +132,8 @@ async def test_a_load_stalled_past_the_deadline_takes_the_engine_out(model_b):
         await engine.aclose()
 
 
-def engine_processes() -> set[int]:
-    import psutil
-
-    children = psutil.Process().children(recursive=True)
-    return {p.pid for p in children if "EngineCore" in " ".join(p.cmdline() or [p.name()])}
-
-
 async def test_an_engine_start_that_times_out_leaves_no_engine_process():
-    before = engine_processes()
+    before = set(engine_processes())
     config = EngineConfig(kv_cache_bytes=64 * 1024 * 1024, max_model_len=256, max_num_seqs=4, start_timeout_s=1)
     engine = VLLMEngine(tiny_model_path(0), config)
     with pytest.raises(EngineError, match=r"did not start within 1 s \(engine.start_timeout_s\)"):
@@ -150,7 +144,7 @@ async def test_an_engine_start_that_times_out_leaves_no_engine_process():
     # would have finished starting.
     late = []
     for tick in range(60):
-        running = engine_processes() - before
+        running = set(engine_processes()) - before
         if running and tick >= 10:
             late.append(sorted(running))
         await asyncio.sleep(0.5)

@@ -12,9 +12,9 @@ import aiohttp
 import openai
 import pytest
 
-from rollflow.agent import AgentEpisode, AgentServer, run_agent
+from rollflow.agent import AgentEpisode, run_agent
 from rollflow.batch import build_batch
-from rollflow.envs import ChatFormat, EpisodeLimits
+from rollflow.envs import EpisodeLimits
 from rollflow.models import load_tokenizer, tiny_model_path
 from rollflow.records import Group, Message, Prompt, SamplingSpec
 from rollflow.testing import ScriptedTurns
@@ -23,23 +23,10 @@ SPEC = SamplingSpec(temperature=1.0, max_tokens=64)
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def chat():
-    return ChatFormat(load_tokenizer(tiny_model_path(0)))
-
-
 def episode(chat, turns, **limits) -> tuple[AgentEpisode, ScriptedTurns]:
     prompt = Prompt(id="p1", token_ids=[1], messages=[Message(role="user", content="What is 2 + 3?")], answer="5")
     script = ScriptedTurns(chat, turns)
     return AgentEpisode(prompt, SPEC, script, chat, EpisodeLimits(**({"max_tokens": 512} | limits))), script
-
-
-@pytest.fixture
-async def server():
-    server = AgentServer("tiny", SPEC)
-    await server.start()
-    yield server
-    await server.aclose()
 
 
 async def calculator_agent(task, base_url):
@@ -61,9 +48,9 @@ async def calculator_agent(task, base_url):
     return 0.0
 
 
-async def test_a_tool_loop_is_recorded_as_one_sequence_with_exactly_the_sampled_tokens(chat, server):
+async def test_a_tool_loop_is_recorded_as_one_sequence_with_exactly_the_sampled_tokens(chat, agent_server):
     ep, script = episode(chat, [CALL, "5"])
-    sample = await run_agent(calculator_agent, ep, server, group_id="g0", index=0, timeout_s=30)
+    sample = await run_agent(calculator_agent, ep, agent_server, group_id="g0", index=0, timeout_s=30)
     assert sample.unscorable is None and sample.process_rewards == [(sample.num_tokens - 1, 1.0)]
     assert sample.turns == 2 and sample.segments == []
     eos = chat.tokenizer.eos_token_id
@@ -82,14 +69,14 @@ async def test_a_tool_loop_is_recorded_as_one_sequence_with_exactly_the_sampled_
     assert sample.prompt_token_ids == chat.tokens(rendered)
 
 
-async def test_the_client_sees_tool_calls_logprobs_and_usage(chat, server):
+async def test_the_client_sees_tool_calls_logprobs_and_usage(chat, agent_server):
     ep, _ = episode(chat, ["Let me compute. " + CALL])
-    key, url = server.open(ep)
+    key, url = agent_server.open(ep)
     async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
         reply = await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "What is 2 + 3?"}], logprobs=True
         )
-    server.close(key)
+    agent_server.close(key)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Let me compute."
@@ -102,9 +89,9 @@ async def test_the_client_sees_tool_calls_logprobs_and_usage(chat, server):
     assert reply.usage.completion_tokens == len(sampled) and reply.usage.prompt_tokens == len(ep.current.opening)
 
 
-async def test_streaming_gives_the_same_turn(chat, server):
+async def test_streaming_gives_the_same_turn(chat, agent_server):
     ep, _ = episode(chat, [CALL])
-    _, url = server.open(ep)
+    _, url = agent_server.open(ep)
     async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
         stream = await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
@@ -118,9 +105,9 @@ async def test_streaming_gives_the_same_turn(chat, server):
     assert chunks[-1].usage.completion_tokens == len(ep.current.tokens)
 
 
-async def test_a_history_rewrite_splits_the_episode_and_every_part_trains_with_its_advantage(chat, server):
+async def test_a_history_rewrite_splits_the_episode_and_every_part_trains_with_its_advantage(chat, agent_server):
     ep, _ = episode(chat, ["first answer", "second answer", "third answer"])
-    key, url = server.open(ep)
+    key, url = agent_server.open(ep)
     question = [{"role": "user", "content": "What is 2 + 3?"}]
     async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
         one = await client.chat.completions.create(model="tiny", messages=question)
@@ -132,7 +119,7 @@ async def test_a_history_rewrite_splits_the_episode_and_every_part_trains_with_i
         # rewrites: the first answer edited (a summarising agent does this)
         edited = [*question, {"role": "assistant", "content": "5"}, {"role": "user", "content": "Sure?"}]
         await client.chat.completions.create(model="tiny", messages=edited)
-    server.close(key)
+    agent_server.close(key)
     assert ep.splits == 1
     sample = ep.sample("g0", 0, reward=1.0, failure=None)
     (segment,) = sample.segments
@@ -154,7 +141,7 @@ def msgspec_replace(sample, **changes):
     return msgspec.structs.replace(sample, **changes)
 
 
-async def test_concurrent_episodes_stay_separate(chat, server):
+async def test_concurrent_episodes_stay_separate(chat, agent_server):
     eps = [episode(chat, [f"answer {i}", f"again {i}"])[0] for i in range(6)]
 
     async def agent(task, base_url):
@@ -166,7 +153,7 @@ async def test_concurrent_episodes_stay_separate(chat, server):
                              {"role": "user", "content": "more"}]
         return 0.0
 
-    samples = await asyncio.gather(*(run_agent(agent, ep, server, group_id="g", index=i, timeout_s=30)
+    samples = await asyncio.gather(*(run_agent(agent, ep, agent_server, group_id="g", index=i, timeout_s=30)
                                      for i, ep in enumerate(eps)))
     for i, sample in enumerate(samples):
         text = chat.tokenizer.decode(sample.completion_token_ids)
@@ -191,9 +178,9 @@ async def test_concurrent_episodes_stay_separate(chat, server):
          "max_completion_tokens", "positive integer"),
     ],
 )
-async def test_requests_the_run_cannot_honour_get_an_openai_error_body(chat, server, body, status, param, words):
+async def test_requests_the_run_cannot_honour_get_an_openai_error_body(chat, agent_server, body, status, param, words):
     ep, script = episode(chat, ["never"])
-    _, url = server.open(ep)
+    _, url = agent_server.open(ep)
     async with aiohttp.ClientSession() as session, session.post(f"{url}/chat/completions", json=body) as response:
         assert response.status == status
         error = (await response.json())["error"]
@@ -201,18 +188,18 @@ async def test_requests_the_run_cannot_honour_get_an_openai_error_body(chat, ser
     assert script.seen == [] and ep.calls == 0  # nothing was generated
 
 
-async def test_bad_json_an_ended_episode_and_the_openai_client_errors(chat, server):
+async def test_bad_json_an_ended_episode_and_the_openai_client_errors(chat, agent_server):
     ep, _ = episode(chat, ["x"])
-    key, url = server.open(ep)
+    key, url = agent_server.open(ep)
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{url}/chat/completions", data=b"{not json") as response:
             assert response.status == 400 and "not valid JSON" in (await response.json())["error"]["message"]
-        server.close(key)
+        agent_server.close(key)
         async with session.post(f"{url}/chat/completions", json={"model": "tiny", "messages": []}) as response:
             assert response.status == 404 and "is not running" in (await response.json())["error"]["message"]
-        async with session.get(f"{server.url}/v1/models") as response:
+        async with session.get(f"{agent_server.url}/v1/models") as response:
             assert (await response.json())["data"][0]["id"] == "tiny"
-    _, url = server.open(ep)
+    _, url = agent_server.open(ep)
     async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
         with pytest.raises(openai.BadRequestError, match="samples with temperature"):
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
@@ -249,17 +236,17 @@ def sync_agent(task, base_url):  # an agent with the synchronous client runs in 
     ],
     ids=["raises", "returns-a-string", "hangs", "sync"],
 )
-async def test_a_failing_agent_makes_its_episode_unscorable_with_the_reason(chat, server, agent, reason):
+async def test_a_failing_agent_makes_its_episode_unscorable_with_the_reason(chat, agent_server, agent, reason):
     ep, _ = episode(chat, ["some answer"])
-    sample = await run_agent(agent, ep, server, group_id="g", index=0, timeout_s=0.5 if agent is hangs else 30)
+    sample = await run_agent(agent, ep, agent_server, group_id="g", index=0, timeout_s=0.5 if agent is hangs else 30)
     assert sample.unscorable == reason
     if reason is None:
         assert sample.process_rewards == [(sample.num_tokens - 1, 1.0)]
 
 
-async def test_the_episode_budget_ends_turns_with_length(chat, server):
+async def test_the_episode_budget_ends_turns_with_length(chat, agent_server):
     ep, script = episode(chat, ["a b c d e f g h", "more"], max_tokens=12, max_turns=4)
-    _, url = server.open(ep)
+    _, url = agent_server.open(ep)
     async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
         one = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}],
                                                    max_tokens=5)
@@ -332,13 +319,13 @@ async def test_a_run_of_agents_labels_every_token_with_the_version_that_computed
     assert spans > 0, "no episode saw a weight update"
 
 
-async def test_the_endpoint_listens_on_loopback_only_by_default(server):
-    host, port = server.url.removeprefix("http://").split(":")
+async def test_the_endpoint_listens_on_loopback_only_by_default(agent_server):
+    host, port = agent_server.url.removeprefix("http://").split(":")
     assert host == "127.0.0.1"
-    assert server._runner.addresses == [("127.0.0.1", int(port))]
+    assert agent_server._runner.addresses == [("127.0.0.1", int(port))]
 
 
-async def test_a_call_whose_agent_gave_up_stops_generating(chat, server):
+async def test_a_call_whose_agent_gave_up_stops_generating(chat, agent_server):
     """The agent times out while its call is generating: the call's generation is cancelled (and
     with it the engine request), not run to its end for nobody."""
     stopped = asyncio.Event()
@@ -356,7 +343,7 @@ async def test_a_call_whose_agent_gave_up_stops_generating(chat, server):
         async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
             await client.chat.completions.create(model=task.model, messages=task.messages)
 
-    sample = await run_agent(agent, ep, server, group_id="g", index=0, timeout_s=0.5)
+    sample = await run_agent(agent, ep, agent_server, group_id="g", index=0, timeout_s=0.5)
     assert sample.unscorable == "agent: timed out after 0.5 s (env.episode_timeout_s)"
     await asyncio.wait_for(stopped.wait(), 5)
 
@@ -390,7 +377,7 @@ class _AgentObject:
         return await calculator_agent(task, base_url)
 
 
-async def test_an_agent_object_with_an_async_call_is_awaited(chat, server):
+async def test_an_agent_object_with_an_async_call_is_awaited(chat, agent_server):
     ep, _ = episode(chat, [CALL, "5"])
-    sample = await run_agent(_AgentObject(), ep, server, group_id="g0", index=0, timeout_s=30)
+    sample = await run_agent(_AgentObject(), ep, agent_server, group_id="g0", index=0, timeout_s=30)
     assert sample.unscorable is None and sample.process_rewards == [(sample.num_tokens - 1, 1.0)]

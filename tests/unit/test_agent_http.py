@@ -8,17 +8,11 @@ import pytest
 
 from rollflow.agent import AgentEpisode, AgentServer
 from rollflow.agent.http import http_client
-from rollflow.envs import ChatFormat, EpisodeLimits
-from rollflow.models import load_tokenizer, tiny_model_path
+from rollflow.envs import EpisodeLimits
 from rollflow.records import Message, Prompt, SamplingSpec
 from rollflow.testing import ScriptedTurns, unused_port
 
 SPEC = SamplingSpec(temperature=1.0, max_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def chat():
-    return ChatFormat(load_tokenizer(tiny_model_path(0)))
 
 
 async def test_replies_plain_and_streamed_come_through_the_aiohttp_pool(chat):

@@ -8,20 +8,14 @@ import time
 
 import pytest
 
-from rollflow.envs import ChatFormat, EnvStep, EpisodeLimits, episode_score, load_environment, run_episode
+from rollflow.envs import EnvStep, EpisodeLimits, episode_score, load_environment, run_episode
 from rollflow.envs.calculator import CalculatorEnv
 from rollflow.envs.retry import TRY_AGAIN, RetryEnv
 from rollflow.envs.tools import ToolCall, call_tool, parse_tool_calls
 from rollflow.errors import ConfigError
-from rollflow.models import load_tokenizer, tiny_model_path
 from rollflow.records import Message, Prompt, Sample, SamplingSpec
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "3 * 4"}}</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def chat():
-    return ChatFormat(load_tokenizer(tiny_model_path(0)))
 
 
 def prompt(answer="12"):

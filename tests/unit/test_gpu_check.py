@@ -94,7 +94,7 @@ def test_the_image_and_the_carried_wheels_hold_every_package_the_check_imports()
 import importlib.metadata as md, json, sys
 sys.path[:0] = ["src", "bench", "tests"]
 import rollflow, rollflow.controller, rollflow.loss, rollflow.testing, rollflow.trainer, rollflow.weight_sync.buckets
-import transformers, peft, packing, gpu_check, conftest, pytest, pytest_asyncio, pytest_timeout
+import transformers, peft, packing, gpu_check, gpu_stages, conftest, pytest, pytest_asyncio, pytest_timeout
 dists = md.packages_distributions()
 used = {d.lower().replace("_", "-") for m in {n.split(".")[0] for n in sys.modules} for d in dists.get(m, [])}
 print(json.dumps(sorted(used)))

@@ -9,10 +9,9 @@ import time
 
 import pytest
 
-from rollflow.envs import ChatFormat, EpisodeLimits, run_episode
+from rollflow.envs import EpisodeLimits, run_episode
 from rollflow.envs.openenv import OpenEnvSource, episode_seed, observation_text, text_action
 from rollflow.errors import ConfigError
-from rollflow.models import load_tokenizer, tiny_model_path
 from rollflow.records import Message, Prompt, SamplingSpec
 from rollflow.testing import ScriptedTurns, unused_port
 
@@ -20,11 +19,6 @@ pytestmark = pytest.mark.usefixtures("example_environments")
 
 SPEC = SamplingSpec(temperature=1.0, max_tokens=32)
 LIMITS = EpisodeLimits(max_turns=4, max_tokens=256, step_timeout_s=10)
-
-
-@pytest.fixture(scope="module")
-def chat():
-    return ChatFormat(load_tokenizer(tiny_model_path(0)))
 
 
 @pytest.fixture

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from rollflow.agent import AgentEpisode, AgentServer, run_agent, task_of
+from rollflow.agent import AgentEpisode, run_agent, task_of
 from rollflow.agent.verifiers import VerifiersEnv
 from rollflow.config import load_config
-from rollflow.envs import ChatFormat, EpisodeLimits
+from rollflow.envs import EpisodeLimits
 from rollflow.errors import ConfigError
-from rollflow.models import load_tokenizer, tiny_model_path
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.testing import ScriptedTurns
 
@@ -21,26 +20,13 @@ pytestmark = pytest.mark.usefixtures("example_environments")
 SPEC = SamplingSpec(temperature=1.0, max_tokens=64)
 
 
-@pytest.fixture(scope="module")
-def chat():
-    return ChatFormat(load_tokenizer(tiny_model_path(0)))
-
-
-@pytest.fixture
-async def server():
-    server = AgentServer("tiny", SPEC)
-    await server.start()
-    yield server
-    await server.aclose()
-
-
-async def play(env: VerifiersEnv, server, chat, row_index: int, turns: list[str]) -> Sample:
+async def play(env: VerifiersEnv, agent_server, chat, row_index: int, turns: list[str]) -> Sample:
     row = env.rows()[row_index]
     prompt = Prompt(id=row.id, token_ids=[1], messages=row.messages, answer=row.answer, task=row.task,
                     metadata=row.metadata)
     episode = AgentEpisode(prompt, SPEC, ScriptedTurns(chat, turns, version=3), chat, EpisodeLimits(max_tokens=512))
     try:
-        return await run_agent(env, episode, server, group_id="g0", index=0, timeout_s=30)
+        return await run_agent(env, episode, agent_server, group_id="g0", index=0, timeout_s=30)
     finally:
         await env.aclose()
 
@@ -58,11 +44,11 @@ def test_the_dataset_becomes_rows_with_what_the_rollout_needs():
 
 
 @pytest.mark.parametrize(("reply", "reward"), [("right", 1.5), ("wrong", 0.0)])
-async def test_a_single_turn_episode_is_scored_by_the_environment_rubric(chat, server, reply, reward):
+async def test_a_single_turn_episode_is_scored_by_the_environment_rubric(chat, agent_server, reply, reward):
     env = VerifiersEnv("vf-sums", {"n": 4})
     answer = env.rows()[0].answer
     text = answer if reply == "right" else "none"
-    sample = await play(env, server, chat, 0, [text])
+    sample = await play(env, agent_server, chat, 0, [text])
     assert sample.unscorable is None
     # correct (weight 1) + digits share (weight 0.5): "12" is all digits
     assert sample.process_rewards == [(sample.num_tokens - 1, reward)]
@@ -70,12 +56,12 @@ async def test_a_single_turn_episode_is_scored_by_the_environment_rubric(chat, s
     assert set(sample.versions) == {3} and sample.loss_mask == [1] * sample.num_tokens
 
 
-async def test_a_tool_episode_runs_the_environment_tool_and_masks_its_result(chat, server):
+async def test_a_tool_episode_runs_the_environment_tool_and_masks_its_result(chat, agent_server):
     env = VerifiersEnv("vf-calc")
     row = env.rows()[0]
     a, b = [int(x) for x in row.messages[-1].content.split("?")[0].split() if x.isdigit()]
     call = f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
-    sample = await play(env, server, chat, 0, [call, f"The sum is {a + b}"])
+    sample = await play(env, agent_server, chat, 0, [call, f"The sum is {a + b}"])
     assert sample.unscorable is None and sample.turns == 2
     assert sample.process_rewards[-1][1] == 1.0
     first = [*chat.tokens(call), chat.tokenizer.eos_token_id]
@@ -86,10 +72,10 @@ async def test_a_tool_episode_runs_the_environment_tool_and_masks_its_result(cha
     assert sample.loss_mask == [1] * len(first) + [0] * len(tool) + [1] * len(last)
 
 
-async def test_a_rollout_that_fails_makes_its_episode_unscorable_with_the_reason(chat, server):
+async def test_a_rollout_that_fails_makes_its_episode_unscorable_with_the_reason(chat, agent_server):
     env = VerifiersEnv("vf-sums", {"n": 2})
     env.sampling_args = {"presence_penalty": 1.0}  # the endpoint refuses it: the model call fails
-    sample = await play(env, server, chat, 0, ["12"])
+    sample = await play(env, agent_server, chat, 0, ["12"])
     assert sample.reward is None and sample.unscorable is not None
     assert "verifiers rollout of 'vf-sums' failed" in sample.unscorable
 

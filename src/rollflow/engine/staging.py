@@ -3,7 +3,7 @@
 With `engine.linear_layout = "staged"` each linear layer keeps oneDNN's packed copy of its weight,
 which the model's forward reads, and also torch's plain tensor, which nothing reads while the
 engine generates. A load whose copies are known (the first load of the same names and shapes was
-watched, see `rollflow.engine.worker.CopyRecorder`) is then made in two parts:
+watched, see `rollflow.engine.loading.CopyRecorder`) is then made in two parts:
 
 - the stage, on a thread while the engine keeps generating: each incoming tensor is copied into
   the plain weight of its linear layer, or, where the forward reads the tensor itself (embeddings,

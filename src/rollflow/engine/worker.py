@@ -36,14 +36,11 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from torch.overrides import TorchFunctionMode
-
-LINEAR_LAYOUT = os.environ.get("ROLLFLOW_LINEAR_LAYOUT", "staged")
-"""`engine.linear_layout` of the engine this process serves (set before vLLM starts it)."""
+from rollflow.engine.loading import _DISPATCH, LINEAR_LAYOUT, WeightLoading, _keyed
 
 
-class WorkerExtension:
-    """Methods added to vLLM's worker; `self` is the worker."""
+class WorkerExtension(WeightLoading):
+    """Methods added to vLLM's worker; `self` is the worker (the load paths: `WeightLoading`)."""
 
     _rollflow_group: Any = None
     _rollflow_buffers: list[Any] | None = None
@@ -52,81 +49,6 @@ class WorkerExtension:
     _rollflow_shm_views_of: tuple[tuple[str, bytes | str], tuple[int, list[tuple[str, Any]]]] | None = None
     """The last (segment name, plan) loaded and what `_rollflow_shm_views` made of it, kept for
     the next load of the same (making the views costs more than copying a small model's bytes)."""
-    _rollflow_touched = False
-    """A reload began changing the model and did not finish: its layers may be half-loaded."""
-
-    _rollflow_copies: dict[Any, list[list[Any]]] | None = None
-    """Per set of incoming names, dtypes and shapes: the model tensors each one is copied into."""
-
-    _rollflow_stager: Any = None
-    """`staged` layout: the `rollflow.engine.staging.Stager` (plans, stage thread, staged load)."""
-
-    def _rollflow_reload(self, weights, *, streamed: bool = False) -> None:
-        """Load `(name, tensor)` pairs into the model. `streamed`: each tensor is read from a
-        file as it comes, so the in-place path hands them to the model's loader one at a time
-        (holding them all to replay the first load's copies would hold the whole model)."""
-        if self._rollflow_stager is not None:
-            self._rollflow_stager.stop()
-        if self.rollflow_stages_updates():
-            self._rollflow_load_and_pack(weights, streamed=streamed)
-            return
-        self._rollflow_touched = True  # every path changes the model tensor by tensor
-        if not self.rollflow_loads_in_place():
-            self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
-        elif streamed:
-            self.model_runner.model.load_weights(weights)  # type: ignore[attr-defined]
-        else:
-            self._rollflow_copy_in_place(_keyed(weights))
-        self._rollflow_touched = False
-
-    def _rollflow_load_and_pack(self, weights, *, streamed: bool) -> None:
-        """`staged` layout, a whole load in the critical section: into the plain weights in place,
-        then each changed packed layer packed again from its weight."""
-        from rollflow.engine.staging import pack, packed_layers, written_layers
-
-        stager = self._rollflow_staging()
-        layers = packed_layers(stager.model)
-        if streamed:
-            if stager.dirty is not None:  # a file's tensors are not known before they are loaded
-                raise RuntimeError(_DIRTY)
-            self._rollflow_touched = True
-            stager.model.load_weights(weights)
-        else:
-            key, items = _keyed(weights)
-            if stager.refuses(key):
-                raise RuntimeError(_DIRTY)
-            self._rollflow_touched = True
-            self._rollflow_copy_in_place((key, items))
-            if key in stager.copies:  # the stage plan (and its spare copies) is made on the stage thread
-                layers = written_layers(layers, stager.copies[key])
-        for layer in layers:
-            layer.cpu_linear = pack(layer, layer.weight, _DISPATCH[0])
-        stager.loaded()
-        self._rollflow_touched = False
-
-    def _rollflow_staging(self) -> Any:
-        """The `staged` layout's `Stager`, made at the first load (it shares the watched copies)."""
-        if self._rollflow_stager is None:
-            from rollflow.engine.staging import Stager
-
-            if self._rollflow_copies is None:
-                self._rollflow_copies = {}
-            model = self.model_runner.model  # type: ignore[attr-defined]
-            self._rollflow_stager = Stager(model, self._rollflow_copies, _DISPATCH[0])
-        return self._rollflow_stager
-
-    def rollflow_stages_updates(self) -> bool:
-        """Whether a repeated load can be staged while the engine generates: the `staged` layout
-        on the CPU backend with no LoRA layers."""
-        return self._rollflow_runs("staged")
-
-    def _rollflow_runs(self, layout: str) -> bool:
-        """Whether this engine holds its linear layers in `layout` on the CPU backend, with no
-        LoRA layers wrapped around them (a LoRA engine reloads layer by layer)."""
-        from vllm.platforms import current_platform
-
-        runner = self.model_runner  # type: ignore[attr-defined]
-        return layout == LINEAR_LAYOUT and current_platform.is_cpu() and not getattr(runner, "lora_config", None)
 
     def rollflow_stage(self, method: str, args: list[Any]) -> Future:
         """Start staging the load `method(*args)` on a thread; the future answers True when it is
@@ -158,37 +80,6 @@ class WorkerExtension:
         from safetensors.torch import load
 
         return load(args[0]).items()
-
-    def _rollflow_copy_in_place(self, keyed: tuple[Any, list[tuple[str, Any]]]) -> None:
-        """The model's `load_weights`, once per set of names and shapes, watched; later loads of
-        the same set copy each tensor straight to where that load put it (the loader's name
-        mapping and checks are Python work that costs more than copying a small model). The
-        incoming tensors are held at once: views into memory the source holds anyway (a
-        shared-memory segment, gloo's receive buffers, a safetensors payload already read)."""
-        key, items = keyed
-        if self._rollflow_copies is None:
-            self._rollflow_copies = {}
-        copies = self._rollflow_copies.get(key)
-        if copies is not None:
-            for (_, tensor), targets in zip(items, copies, strict=True):
-                for target in targets:
-                    target.copy_(tensor)
-            return
-        recorder = CopyRecorder([tensor for _, tensor in items])
-        with recorder:
-            self.model_runner.model.load_weights(iter(items))  # type: ignore[attr-defined]
-        if recorder.replayable:
-            self._rollflow_copies[key] = recorder.targets
-
-    def rollflow_loads_in_place(self) -> bool:
-        """Whether a load copies into the model's own tensors: the CPU backend with plain linear
-        layers and no LoRA layers wrapped around them. Otherwise vLLM's layerwise reload."""
-        return self._rollflow_runs("plain")
-
-    def rollflow_copy_plans(self) -> int:
-        """How many sets of weights a load copies straight into the model (see
-        `_rollflow_copy_in_place`)."""
-        return len(self._rollflow_copies or {})
 
     def rollflow_distrust(self) -> bool:
         """The loaded weights no longer match the engine's version label (a label or prefix-cache
@@ -318,42 +209,6 @@ class WorkerExtension:
         return True
 
 
-class CopyRecorder(TorchFunctionMode):
-    """Watches one load: which tensors each incoming tensor is copied into. `replayable` stays
-    True only if every write into a tensor during the load is `target.copy_(incoming)` with the
-    incoming tensor itself as the source (same memory, shape and strides), or a constant fill
-    (padding rows); then copying each incoming tensor into its `targets` is the same load."""
-
-    def __init__(self, incoming: list[Any]) -> None:
-        super().__init__()
-        self._index = {(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype): i for i, t in enumerate(incoming)}
-        self.targets: list[list[Any]] = [[] for _ in incoming]
-        self.replayable = len(self._index) == len(incoming)  # two incoming tensors alike: ambiguous
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        writes = name == "__setitem__" or "out" in kwargs or (name.endswith("_") and not name.startswith("_"))
-        if writes:
-            self._note(name, args)
-        return func(*args, **kwargs)
-
-    def _note(self, name: str, args: tuple[Any, ...]) -> None:
-        import torch
-
-        if name in ("fill_", "zero_") and all(not isinstance(a, torch.Tensor) for a in args[1:]):
-            return  # a constant: the same on every load
-        source = args[1] if name == "copy_" and len(args) == 2 else None
-        if not isinstance(source, torch.Tensor):
-            self.replayable = False
-            return
-        at = self._index.get((source.data_ptr(), tuple(source.shape), source.stride(), source.dtype))
-        if at is None:
-            self.replayable = False
-        else:
-            self.targets[at].append(args[0])
-
-
 LOADS = frozenset(
     {
         "rollflow_load_safetensors",
@@ -368,15 +223,6 @@ LOADS = frozenset(
 STAGEABLE = frozenset({"rollflow_load_safetensors", "rollflow_shm_load"})
 """The loads `rollflow_stage` can stage: their tensors are all at hand (views, or bytes read)."""
 
-_DIRTY = (
-    "the plain weights of some linear layers were written by a staged load that was not committed, "
-    "so only a load of the same names and shapes, or one that writes every linear weight, can "
-    "follow (this load would leave layers packed from those weights)"
-)
-
-_DISPATCH: list[Any] = [None]
-"""vLLM's own CPU linear dispatch (`dispatch_cpu_unquantized_gemm`), kept when `staged` wraps it."""
-
 
 def _decode_plan(plan: bytes | str) -> Any:
     """A `BucketPlan` from its bytes, or their base64 text (what `/collective_rpc` carries)."""
@@ -385,15 +231,6 @@ def _decode_plan(plan: bytes | str) -> Any:
     from rollflow.weight_sync.buckets import BucketPlan
 
     return BucketPlan.decode(base64.b64decode(plan) if isinstance(plan, str) else plan)
-
-
-def _keyed(weights: Any) -> tuple[tuple[Any, ...], list[tuple[str, Any]]]:
-    """Incoming (name, tensor) pairs sorted by name, and their key: what makes two loads alike,
-    the names, dtypes and shapes of their tensors in that order. Sorted, the same set of weights
-    is one key, and one copy plan, whatever order its source lays them out in (safetensors bytes
-    and shm buckets differ)."""
-    items = sorted(weights, key=lambda item: item[0])
-    return tuple((name, tensor.dtype, tuple(tensor.shape)) for name, tensor in items), items
 
 
 def rollflow_update(

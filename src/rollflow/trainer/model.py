@@ -18,7 +18,6 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +31,13 @@ from rollflow.loss import policy_loss
 from rollflow.records import TrainBatch, TrainSample
 from rollflow.trainer.attention import use_segment_attention
 from rollflow.trainer.batches import PolicyHead, lr_factor, pad, plan_micro_batches, plan_shards
-from rollflow.trainer.export import full, merged_lora_weights, single_process_dcp
+from rollflow.trainer.export import full
+from rollflow.trainer.state import TrainerState
 
 log = logging.getLogger(__name__)
 
 
-class Trainer:
+class Trainer(TrainerState):
     """Model, optimizer and schedule of one rank, and the step that consumes a `TrainBatch`."""
 
     def __init__(
@@ -96,10 +96,6 @@ class Trainer:
             fully_shard(layer, mesh=mesh)
         fully_shard(module, mesh=mesh)
         return module
-
-    @property
-    def lm(self) -> nn.Module:
-        return self.module.lm
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -299,77 +295,6 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(full(norm))
 
-    # ---- weights out ----------------------------------------------------------------------
-
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight in Hugging Face checkpoint naming, whole (gathered across ranks in
-        lockstep: every rank must iterate this together). LoRA adapters are merged in."""
-        if self.config.lora.enabled:
-            yield from merged_lora_weights(self.lm)
-            return
-        for name, tensor in self.lm.state_dict().items():
-            yield name, full(tensor)
-
-    def weight_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """(name, dtype, whole shape) of every model weight (what `full_weights` yields without
-        LoRA), without gathering: FSDP2 DTensors know their full shape."""
-        return [(name, t.dtype, tuple(t.shape)) for name, t in self.lm.state_dict().items()]
-
-    def adapter_weights(self) -> dict[str, torch.Tensor]:
-        """The LoRA adapter tensors (peft naming), whole."""
-        if not self.config.lora.enabled:
-            raise ValueError("adapter_weights: trainer.lora.enabled is false")
-        from peft import get_peft_model_state_dict
-
-        return {k: full(v) for k, v in get_peft_model_state_dict(self.lm).items()}
-
-    def adapter_config(self) -> dict[str, Any]:
-        """The peft adapter config as JSON-ready data (what `adapter_config.json` holds)."""
-        return adapter_config_of(self.lm)
-
-    # ---- checkpoints ----------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Model (or adapter), optimizer, scheduler and step count."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.module, self.optimizer)
-        return {"model": model, "optimizer": optim, "scheduler": self.scheduler.state_dict(), "steps": self.steps}
-
-    def save(self, path: Path) -> dict[str, Any]:
-        """Write the model (or adapter) and optimizer tensors to the folder `path` with
-        torch.distributed.checkpoint (each rank writes its shard; every rank calls this together);
-        returns the rest of the state (scheduler, step count) for the caller to store."""
-        import torch.distributed.checkpoint as dcp
-
-        state = self.state_dict()
-        with single_process_dcp():
-            dcp.save(
-                {"model": state["model"], "optimizer": state["optimizer"]},
-                checkpoint_id=path,
-                no_dist=not self.distributed,
-            )
-        return {"scheduler": state["scheduler"], "steps": state["steps"]}
-
-    def load(self, path: Path, rest: dict[str, Any]) -> None:
-        """Restore what `save` wrote (every rank calls this together)."""
-        import torch.distributed.checkpoint as dcp
-
-        state = self.state_dict()  # the layout to load into, optimizer state included
-        tensors = {"model": state["model"], "optimizer": state["optimizer"]}
-        with single_process_dcp():
-            dcp.load(tensors, checkpoint_id=path, no_dist=not self.distributed)
-        self.load_state_dict({**tensors, **rest})
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(
-            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.steps = int(state["steps"])
-
 
 def _combine(updates: list[tuple], *, epochs: int, skipped: bool, lr: float) -> dict[str, float]:
     """A step's metrics from its updates' (sums, skipped, grad norm, low, high): loss and grad
@@ -411,11 +336,3 @@ def with_lora(lm: nn.Module, config: LoRAConfig) -> nn.Module:
             target_modules=list(config.target_modules),
         ),
     )
-
-
-def adapter_config_of(lm: nn.Module) -> dict[str, Any]:
-    """A peft model's adapter config as JSON-ready data (what `adapter_config.json` holds)."""
-    import json
-
-    config: Any = lm.peft_config["default"]  # type: ignore[index]
-    return json.loads(json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
