@@ -165,13 +165,17 @@ async def evaluate_held_out(
     tokenizer: Any,
     scorer: Scorer,
     *,
-    prompts: int | None = None,
+    prompts: int | list[Prompt] | None = None,
     pass_k: int = 0,
     on_sample: Callable[[Sample], None] | None = None,
 ) -> HeldOut:
-    """Greedy accuracy on `prompts` (default `run.eval_prompts`) held-out prompts, and pass@k
-    with `pass_k` samples per prompt when > 0, scored by `scorer`."""
-    chosen = held_out_prompts(config, tokenizer, config.run.eval_prompts if prompts is None else prompts)
+    """Greedy accuracy on `prompts` held-out prompts (default `run.eval_prompts`; or the prompts
+    `held_out_prompts` made), and pass@k with `pass_k` samples per prompt when > 0, scored by
+    `scorer`."""
+    if isinstance(prompts, list):
+        chosen = prompts
+    else:
+        chosen = held_out_prompts(config, tokenizer, config.run.eval_prompts if prompts is None else prompts)
 
     def run(spec: SamplingSpec, k: int) -> Awaitable[EvalReport]:
         return evaluate(
@@ -193,13 +197,13 @@ async def held_out_report(
     engine: Engine,
     config: Config,
     tokenizer: Any,
-    prompts: int,
+    prompts: int | list[Prompt],
     pass_k: int,
     *,
     on_sample: Callable[[Sample], None] | None = None,
 ) -> dict[str, Any]:
     """What `python -m rollflow eval` prints: the model, task and reward, and the held-out scores
-    on `engine` (scored with `run.reward`)."""
+    on `engine` (scored with `run.reward`) of `prompts` (a number, or `held_out_prompts`' own)."""
     scorer = eval_scorer(config)
     try:
         held_out = await evaluate_held_out(

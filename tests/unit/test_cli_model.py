@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -44,3 +45,23 @@ def test_run_errors_name_the_fix(tmp_path):
         model_config(parse("--run", str(run), "--preset", "tiny"))
     with pytest.raises(UserInputError, match="not a rollflow run directory"):
         model_config(parse("--run", str(tmp_path / "nothing")))
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_a_missing_dataset_file_is_named_before_the_engine_starts(command, monkeypatch, capsys):
+    """A user who mistyped a path hears of it at once, not after the engine's 20-40 s start."""
+    from rollflow.cli import main
+    from rollflow.engine.vllm import VLLMEngine
+
+    async def no_start(self):
+        raise AssertionError("the engine started before the prompts were read")
+
+    monkeypatch.setattr(VLLMEngine, "start", no_start)
+    policy = asyncio.get_event_loop_policy()  # the command installs uvloop's: not for the tests after
+    try:
+        code = main([command, "--preset", "tiny", "--set", "data.task=jsonl", "--set", "data.paths=['/no/file.jsonl']"])
+    finally:
+        asyncio.set_event_loop_policy(policy)
+    assert code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.endswith("/no/file.jsonl: cannot read dataset file (No such file or directory)")

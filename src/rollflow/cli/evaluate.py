@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rollflow.cli.model import counting, model_config, started_engine
+from rollflow.cli.model import counting, model_config, prepared_model, started_engine
 from rollflow.cli.parser import add_model_args
 from rollflow.errors import UserInputError
 
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 async def _eval(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rollflow.evaluate import held_out_report
+    from rollflow.evaluate import held_out_prompts, held_out_report
     from rollflow.tasks import check_source
 
     if args.prompts <= 0:
@@ -41,11 +41,13 @@ async def _eval(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     config = model_config(args)
     check_source(config.data)
-    engine, tokenizer = await started_engine(config, console)
+    model_path, tokenizer = prepared_model(config, console)
+    prompts = held_out_prompts(config, tokenizer, args.prompts)
+    engine = await started_engine(config, model_path, console)
     try:
         with console.status("evaluating") as status:
             progress = counting(status, "evaluating", args.prompts * (1 + args.pass_k))
-            report = await held_out_report(engine, config, tokenizer, args.prompts, args.pass_k, on_sample=progress)
+            report = await held_out_report(engine, config, tokenizer, prompts, args.pass_k, on_sample=progress)
     finally:
         await engine.aclose()
     text = json.dumps(report)

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from typing import Any
 
-from rollflow.cli.model import counting, model_config, started_engine
+from rollflow.cli.model import counting, model_config, prepared_model, started_engine
 from rollflow.cli.parser import add_model_args
 from rollflow.errors import UserInputError
 
@@ -40,11 +40,12 @@ async def _generate(args: argparse.Namespace) -> int:
     config = model_config(args)
     check_source(config.data)
     group = 1 if args.greedy else config.rollout.group_size
-    engine, tokenizer = await started_engine(config, console)
+    model_path, tokenizer = prepared_model(config, console)
+    sampler = Sampler(config.data, prompt_encoder(tokenizer, config.data))
+    prompts = [sampler.next() for _ in range(args.prompts)]
+    engine = await started_engine(config, model_path, console)
     scorer = eval_scorer(config)
     try:
-        sampler = Sampler(config.data, prompt_encoder(tokenizer, config.data))
-        prompts = [sampler.next() for _ in range(args.prompts)]
         with console.status("generating") as status:
             report = await evaluate(
                 engine,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rollflow.errors import UserInputError
@@ -14,7 +15,6 @@ from rollflow.errors import UserInputError
 def model_config(args: argparse.Namespace) -> Any:  # -> Config
     """The config for `generate` / `eval`: a run's (`--run`) or the given one, with `--model`."""
     from rollflow.config import load_config
-    from rollflow.export import FINAL
 
     config_file, overrides = args.config, list(args.overrides)
     model = args.model
@@ -24,6 +24,8 @@ def model_config(args: argparse.Namespace) -> Any:  # -> Config
         config_file = args.run / "config.toml"
         if not config_file.is_file():
             raise UserInputError(f"--run {args.run}: not a rollflow run directory (no config.toml)")
+        from rollflow.export import FINAL  # (imports torch: only here)
+
         final = args.run / FINAL
         if model is None:
             if (final / "adapter_config.json").is_file():
@@ -39,18 +41,24 @@ def model_config(args: argparse.Namespace) -> Any:  # -> Config
     return load_config(config_file, preset=args.preset, overrides=overrides)
 
 
-async def started_engine(config: Any, console: Any) -> tuple[Any, Any]:
-    """A started vLLM engine for the config's model, and its tokenizer."""
-    from rollflow.engine.vllm import VLLMEngine
+def prepared_model(config: Any, console: Any) -> tuple[Path, Any]:
+    """The config's model, ready for an engine (converted once if it must be), and its tokenizer."""
     from rollflow.models import load_tokenizer, resolve_model
 
     with console.status(f"preparing model {config.model.path}"):
         model_path = resolve_model(config.model.path)
-        tokenizer = load_tokenizer(model_path)
+        return model_path, load_tokenizer(model_path)
+
+
+async def started_engine(config: Any, model_path: Path, console: Any) -> Any:
+    """A started vLLM engine for `model_path` (from `prepared_model`). The commands read their
+    prompts first, so a bad dataset is named at once, not after the engine's 20-40 s start."""
+    from rollflow.engine.vllm import VLLMEngine
+
     engine = VLLMEngine(model_path, config.engine, dtype=config.model.dtype)
     with console.status("starting vLLM engine (20-40 s on CPU)"):
         await engine.start()
-    return engine, tokenizer
+    return engine
 
 
 def counting(status: Any, what: str, total: int) -> Callable[[object], None]:
