@@ -50,6 +50,7 @@ import machine
 
 from rollflow.config import Config, load_config
 from rollflow.controller import train
+from rollflow.sim.calibrate import fit_line
 
 ENGINE_CORE, CONTROLLER_CORE = 0, 1
 WORKLOADS = {
@@ -185,8 +186,7 @@ def step_estimate(gen: tuple[float, float], train: tuple[float, float], length: 
 
 def fit_two(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
     """The line through two points, (intercept, slope), the intercept kept at 0 or above."""
-    slope = (y2 - y1) / (x2 - x1) if x2 != x1 else y2 / x2
-    intercept = y1 - slope * x1
+    intercept, slope = fit_line([x1, x2], [y1, y2])
     if intercept < 0:
         return 0.0, y2 / x2
     return intercept, max(slope, 0.0)

@@ -14,6 +14,7 @@ loaded as JSON. This module runs nothing; `bench/simulator_validation.py` measur
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -21,6 +22,11 @@ from typing import Any
 
 from rollflow.sim.components import EngineProfile, TrainerProfile
 from rollflow.trainer.batches import Layout
+
+
+def _steady(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A run's steps without its first (which pays for warming up), unless it has only one."""
+    return metrics[1:] or metrics
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -62,7 +68,7 @@ def trainer_profile(
     times (the trainer's staging wait, the engine's load) and, unless `step` gives them (fixed
     seconds, seconds per model token, measured on batches of different sizes), the step time
     fitted against the steps' `model_tokens`."""
-    steady = metrics[1:] or metrics
+    steady = _steady(metrics)
     if step is not None:
         fixed, per_token = step
     else:
@@ -115,7 +121,7 @@ def fit_to_run(
     which on a shared machine moves by tens of percent within minutes."""
 
     def mean(metrics: list[dict[str, Any]], key: str) -> float:
-        steady = metrics[1:] or metrics
+        steady = _steady(metrics)
         return sum(float(m[key]) for m in steady) / len(steady)
 
     want_gen, want_train = mean(real, "batch_wait_s"), mean(real, "train_step_s")
@@ -135,7 +141,7 @@ def fit_to_run(
 def summary(metrics: list[dict[str, Any]]) -> dict[str, float]:
     """What a run is compared on, over its steady steps (the first left out): steps per second,
     the trainer's idle share (waiting for a batch or for weight sync), mean step and generation rate."""
-    steady = metrics[1:] or metrics
+    steady = _steady(metrics)
     wall = metrics[-1]["wall_s"] - metrics[0]["wall_s"] if len(metrics) > 1 else metrics[-1]["wall_s"]
     return {
         "steps_per_s": len(steady) / wall if wall > 0 else 0.0,
@@ -183,7 +189,10 @@ class Calibration:
         return f"calibrated on {self.machine}: reproduced {said}"
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        """Write the calibration whole (a reader never sees half a file)."""
+        staging = path.with_name(f".{path.name}.tmp")
+        staging.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        os.replace(staging, path)
 
     @classmethod
     def load(cls, path: Path) -> Calibration:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rollflow.engine.pool import group_key
 from rollflow.records import TrainBatch
 from rollflow.testing import FakeEngine, FakeTrainer
 from rollflow.trainer import TrainerBackend
@@ -298,7 +299,7 @@ class SimEngine(FakeEngine):
             while replica.queue and len(replica.running) < self.profile.max_num_seqs:
                 request_id = replica.queue.popleft()
                 replica.running.add(request_id)
-                group = request_id.split("#", 1)[0].rsplit("/", 1)[0]
+                group = group_key(request_id)
                 if request_id in replica.pending and group not in replica.cached:
                     replica.cached.add(group)
                     prefill += replica.pending[request_id][1]
