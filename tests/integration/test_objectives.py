@@ -20,10 +20,12 @@ pytestmark = pytest.mark.integration
 )
 @pytest.mark.timeout(600)
 async def test_the_tiny_preset_learns_its_reward(tmp_path, overrides, tiny_preset_engine):
-    config = load_config(preset="tiny", overrides=[*overrides, "observe.sinks=[]"])
+    """30 steps, the first 6 against the last 6: over 8 runs of each case on one engine the mean
+    reward rose by 0.17-0.52 (20 steps and 4 against 4 rose by 0.07-0.35, too close to 0.1)."""
+    config = load_config(preset="tiny", overrides=[*overrides, "run.max_steps=30", "observe.sinks=[]"])
     result = await Controller(config, tmp_path, engine=await tiny_preset_engine()).run()
     rewards = [m["reward_mean"] for m in result.metrics]
-    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
     assert last > first + 0.1, rewards
     if "trainer.mini_batches=4" in overrides:
         assert max(m["clip_frac"] for m in result.metrics) > 0
