@@ -62,31 +62,37 @@ def model_b() -> HFReference:
 
 
 @pytest.fixture(scope="session")
-async def engine():
+async def session_engines():
+    """The session's shared engines, closed together at its end (each takes 3-5 s to shut down)."""
+    engines: list[VLLMEngine] = []
+    yield engines
+    await asyncio.gather(*(eng.aclose() for eng in engines))
+
+
+@pytest.fixture(scope="session")
+async def engine(session_engines):
     """An engine in the default linear layout (`staged`)."""
     eng = VLLMEngine(
         tiny_model_path(0),
         EngineConfig(kv_cache_bytes=128 * 1024 * 1024, max_model_len=512, max_num_seqs=16),
     )
-    await eng.start()
-    yield eng
-    await eng.aclose()
+    session_engines.append(eng)
+    return await eng.start()
 
 
 @pytest.fixture(scope="session")
-async def plain_engine():
+async def plain_engine(session_engines):
     """An engine whose linear layers keep torch's weights (`engine.linear_layout = "plain"`)."""
     eng = VLLMEngine(
         tiny_model_path(0),
         EngineConfig(kv_cache_bytes=64 * 1024 * 1024, max_model_len=512, max_num_seqs=8, linear_layout="plain"),
     )
-    await eng.start()
-    yield eng
-    await eng.aclose()
+    session_engines.append(eng)
+    return await eng.start()
 
 
 @pytest.fixture(scope="session")
-async def tiny_preset_engine():
+async def tiny_preset_engine(session_engines):
     """`await tiny_preset_engine()`: an engine of the tiny preset's settings for one training run
     (`Controller(config, out, engine=...)`), back on the initial weights at version 0 (a run's
     `start` and `aclose` leave it running). One per test session: the runs that would each start
@@ -97,14 +103,14 @@ async def tiny_preset_engine():
     from rollflow.testing import lend
 
     eng = VLLMEngine(tiny_model_path(0), load_config(preset="tiny").engine)
+    session_engines.append(eng)
     await eng.start()
     weights = AutoModelForCausalLM.from_pretrained(tiny_model_path(0)).state_dict()
 
     async def lent():
         return await lend(eng, weights)
 
-    yield lent
-    await eng.aclose()
+    return lent
 
 
 @pytest.fixture

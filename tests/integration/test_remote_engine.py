@@ -67,6 +67,15 @@ def server():
     first.stop()
 
 
+@pytest.fixture(scope="module")
+def second_server():
+    """A second server for the pool tests, started once: the gloo test needs it alive, the
+    next test kills it mid-run (the test of two nodes starts its own)."""
+    second = Server()
+    yield second
+    second.stop()
+
+
 @pytest.fixture
 async def remote(server, model_a):
     engine = await RemoteEngine(server, CONFIG).start()
@@ -190,59 +199,54 @@ async def test_a_training_run_generates_on_the_server_and_its_weights_reach_it(s
 
 
 @pytest.mark.timeout(900)
-async def test_a_pool_of_two_servers_survives_losing_one(server, tmp_path, model_a):
-    from rollflow.ledger import summarize
-
-    second = Server()
-    try:
-        config = load_config(
-            preset="tiny",
-            overrides=[f'engine.urls=["{server}", "{second.url}"]', "run.max_steps=6", "observe.sinks=[]"],
-        )
-
-        def kill_second(row):
-            if row["step"] == 1:
-                second.kill()  # mid-run: requests are streaming on both servers
-
-        controller = Controller(config, tmp_path, on_step=kill_second)
-        result = await controller.run()
-        assert result.steps == 6 and controller.engine_restarts == 0
-        pool = controller.engine
-        assert [m.url for m in pool.members] == [server] and len(pool.taken_out) == 1
-        summary = summarize(tmp_path)
-        assert summary.ok and summary.duplicates == [] and summary.missing == []
-        assert all(m["loss_lag_max"] <= 1 for m in result.metrics)
-        # The survivor holds the trained weights (greedy equals transformers on them).
-        async with RemoteEngine(server, CONFIG) as check:
-            spec = SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True)
-            out = await check.generate(PROMPT, spec, "pool-check")
-            assert out.token_ids == greedy_tokens(controller.trainer.lm.eval(), PROMPT, 12)
+async def test_weights_reach_every_server_of_a_pool_over_gloo(server, second_server, tmp_path, model_a):
+    second = second_server
+    config = load_config(
+        preset="tiny",
+        overrides=[f'engine.urls=["{server}", "{second.url}"]', "run.weight_transport=gloo",
+                   "run.max_steps=3", "observe.sinks=[]"],
+    )
+    controller = Controller(config, tmp_path)
+    result = await controller.run()
+    assert result.steps == 3 and len(controller.engine.members) == 2
+    want = greedy_tokens(controller.trainer.lm.eval(), PROMPT, 12)
+    assert want != model_a.greedy(PROMPT, 12)[0]
+    spec = SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for url in (server, second.url):
+        async with RemoteEngine(url, CONFIG) as check:
+            assert (await check.generate(PROMPT, spec, "gloo-check")).token_ids == want, url
             await check.update_weights(model_a.state_dict())
-    finally:
-        second.stop()
 
 
 @pytest.mark.timeout(900)
-async def test_weights_reach_every_server_of_a_pool_over_gloo(server, tmp_path, model_a):
-    second = Server()
-    try:
-        config = load_config(
-            preset="tiny",
-            overrides=[f'engine.urls=["{server}", "{second.url}"]', "run.weight_transport=gloo",
-                       "run.max_steps=3", "observe.sinks=[]"],
-        )
-        controller = Controller(config, tmp_path)
-        result = await controller.run()
-        assert result.steps == 3 and len(controller.engine.members) == 2
-        want = greedy_tokens(controller.trainer.lm.eval(), PROMPT, 12)
-        assert want != model_a.greedy(PROMPT, 12)[0]
+async def test_a_pool_of_two_servers_survives_losing_one(server, second_server, tmp_path, model_a):
+    """Runs after the gloo test: it kills the second server they share."""
+    from rollflow.ledger import summarize
+
+    second = second_server
+    config = load_config(
+        preset="tiny",
+        overrides=[f'engine.urls=["{server}", "{second.url}"]', "run.max_steps=6", "observe.sinks=[]"],
+    )
+
+    def kill_second(row):
+        if row["step"] == 1:
+            second.kill()  # mid-run: requests are streaming on both servers
+
+    controller = Controller(config, tmp_path, on_step=kill_second)
+    result = await controller.run()
+    assert result.steps == 6 and controller.engine_restarts == 0
+    pool = controller.engine
+    assert [m.url for m in pool.members] == [server] and len(pool.taken_out) == 1
+    summary = summarize(tmp_path)
+    assert summary.ok and summary.duplicates == [] and summary.missing == []
+    assert all(m["loss_lag_max"] <= 1 for m in result.metrics)
+    # The survivor holds the trained weights (greedy equals transformers on them).
+    async with RemoteEngine(server, CONFIG) as check:
         spec = SamplingSpec(temperature=0.0, max_tokens=12, ignore_eos=True)
-        for url in (server, second.url):
-            async with RemoteEngine(url, CONFIG) as check:
-                assert (await check.generate(PROMPT, spec, "gloo-check")).token_ids == want, url
-                await check.update_weights(model_a.state_dict())
-    finally:
-        second.stop()
+        out = await check.generate(PROMPT, spec, "pool-check")
+        assert out.token_ids == greedy_tokens(controller.trainer.lm.eval(), PROMPT, 12)
+        await check.update_weights(model_a.state_dict())
 
 
 @pytest.mark.timeout(900)

@@ -5,6 +5,7 @@ service (and the controller replaces it). Real vLLM on CPU, one engine per case 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -138,12 +139,15 @@ async def test_an_engine_start_that_times_out_leaves_no_engine_process():
     engine = VLLMEngine(tiny_model_path(0), config)
     with pytest.raises(EngineError, match=r"did not start within 1 s \(engine.start_timeout_s\)"):
         await engine.start()
+    began = time.monotonic()
     await asyncio.wait_for(engine.aclose(), 120)  # waits for the late-built engine and shuts it down
-    # The build goes on in its thread after the deadline (an engine starts in 15-30 s here). Once
-    # `aclose` returns, no engine process may run (a few seconds' grace to exit), whenever it
-    # would have finished starting.
+    # The build goes on in its thread after the deadline (an engine starts in 15-30 s here):
+    # `aclose` waited for it, so it took that long, and once it returns no engine process may
+    # run (5 s' grace to exit). An engine left to finish its start on its own would still be
+    # starting, its process up, when `aclose` returned at once.
+    assert time.monotonic() - began > 3, "aclose did not wait for the engine still starting"
     late = []
-    for tick in range(60):
+    for tick in range(20):
         running = set(engine_processes()) - before
         if running and tick >= 10:
             late.append(sorted(running))

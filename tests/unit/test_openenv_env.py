@@ -21,11 +21,26 @@ SPEC = SamplingSpec(temperature=1.0, max_tokens=32)
 LIMITS = EpisodeLimits(max_turns=4, max_tokens=256, step_timeout_s=10)
 
 
+@pytest.fixture(scope="module")
+async def served(request):
+    """The example server, started by an `OpenEnvSource` as a run starts it, once for the module:
+    its address."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(request.config.rootpath / "examples" / "environments"))
+        import openenv_sums
+
+        starter = OpenEnvSource(openenv_sums.SumsClient, server="openenv_sums:app", timeout_s=10)
+        await starter.start()
+    yield starter.url
+    await starter.aclose()
+
+
 @pytest.fixture
-async def source():
+async def source(served):
+    """A source of 4 sessions with the module's server, fresh for each test."""
     import openenv_sums
 
-    source = OpenEnvSource(openenv_sums.SumsClient, server="openenv_sums:app", sessions=4, timeout_s=10)
+    source = OpenEnvSource(openenv_sums.SumsClient, url=served, sessions=4, timeout_s=10)
     await source.start()
     yield source
     await source.aclose()
