@@ -205,7 +205,9 @@ class RolloutConfig(_Section, frozen=True):
     """Dynamic sampling (DAPO): a group whose scored rewards are all equal (no advantage, no
     gradient) is not buffered; it is dropped as `filtered: equal rewards` and its admission room
     goes back at once, so a replacement prompt starts and each batch stays full of groups that
-    teach something. Counted per step as `filtered_groups`."""
+    teach something. Counted per step as `filtered_groups`. A run whose every group is filtered
+    (a policy that solves, or fails, every prompt alike) takes no step: `run.stall_timeout_s`
+    ends it, naming the filtered groups."""
 
     overlong: Literal["none", "filter", "soft"] = "none"
     """Completions cut at the token budget (finish reason `length`): `filter` leaves them out of
@@ -440,7 +442,7 @@ class RunConfig(_Section, frozen=True):
 
     stall_timeout_s: NonNegFloat = 1800.0
     """Also stop the run (as above) when no step has been taken for this many seconds while groups
-    keep being dropped as failed (0: no time limit)."""
+    keep being dropped as failed or filtered by `rollout.filter_equal_rewards` (0: no time limit)."""
 
     weight_sync_host: str = "127.0.0.1"
     """This process's address that engines connect to for the `gloo` / `nccl` weight transport

@@ -15,6 +15,7 @@ import pytest
 
 from rollflow.buffer import Admission, lags, withhold_stale
 from rollflow.controller import Controller
+from rollflow.errors import TrainingError
 from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
 
 
@@ -220,6 +221,25 @@ async def test_groups_with_equal_rewards_are_filtered_and_replaced(tmp_path, tin
     assert result.dropped.get("filtered") == len(filtered)
     audit = summarize(tmp_path)
     assert audit.ok, audit.format()
+
+
+@pytest.mark.timeout(60)
+async def test_a_run_whose_every_group_is_filtered_stops_at_the_stall_timeout(tmp_path, tiny_config):
+    """A policy that has solved (or given up on) every prompt gives groups of equal rewards only:
+    dynamic sampling filters them all and no step comes. Filtered groups are not failures, but
+    the stop rule's time limit ends such a run, naming them, instead of sampling forever."""
+
+    def constant(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    config = tiny_config(max_steps=4, stall_timeout_s=1)
+    config = msgspec.structs.replace(config, rollout=msgspec.structs.replace(config.rollout, filter_equal_rewards=True))
+    controller = Controller(
+        config, tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
+        tokenizer=FakeTokenizer(), reward_funcs={"constant": constant},
+    )
+    with pytest.raises(TrainingError, match=r"no step for \d+ s \(run.stall_timeout_s\).*filtered: equal rewards ×"):
+        await asyncio.wait_for(controller.run(), 30)
 
 
 @pytest.mark.timeout(60)

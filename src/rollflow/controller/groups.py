@@ -105,8 +105,9 @@ class GroupScoring:
             )
             credit = [None if t is None else [cfg.scoring.process_coef * a for a in t] for t in per_token]
         if cfg.rollout.filter_equal_rewards and _teaches_nothing(scored, credit):
-            # Not a failure (the stop rule does not count it): early on, most groups of a hard task are.
+            # Not a failure: early on, most groups of a hard task are; only the stall time limit counts it.
             self._drop(entry, "filtered: equal rewards")
+            self.stall.filtered("filtered: equal rewards")
             self.filtered += 1
             await self.admission.release(len(scored))
             return

@@ -6,7 +6,9 @@ reward server, one odd prompt); many in a row with nothing trained in between me
 reward function, server, environment or dataset. `StallWatch` counts them and, at
 `run.max_dropped_in_a_row` in a row, or once no step has been taken for `run.stall_timeout_s`
 while groups keep failing, asks the run to stop with a message naming the top reasons. Groups
-that reach the buffer reset the count. It decides nothing else; the controller stops the run.
+that reach the buffer reset the count. Groups filtered by dynamic sampling are not failures,
+but a run that only filters (a policy that has solved every prompt, or fails them all) takes no
+step, so the time limit ends it too. It decides nothing else; the controller stops the run.
 """
 
 from __future__ import annotations
@@ -49,12 +51,20 @@ class StallWatch:
         """A group was dropped as failed."""
         self.in_a_row += 1
         self.reasons[_short(reason)] += 1
-        if self.message is not None:
-            return
-        idle = self.clock() - self.since
-        if self.in_a_row >= self.max_in_a_row:
+        if self.message is None and self.in_a_row >= self.max_in_a_row:
             self._fire(f"{self.in_a_row} groups in a row were dropped with nothing to train")
-        elif self.stall_timeout_s and idle >= self.stall_timeout_s:
+        self._check_time()
+
+    def filtered(self, reason: str) -> None:
+        """A group was dropped as teaching nothing (dynamic sampling). Not a failure: early on most
+        groups of a hard task are, so it does not count toward `max_in_a_row`. But a run whose
+        every group is filtered takes no step, so the time limit applies."""
+        self.reasons[_short(reason)] += 1
+        self._check_time()
+
+    def _check_time(self) -> None:
+        idle = self.clock() - self.since
+        if self.message is None and self.stall_timeout_s and idle >= self.stall_timeout_s:
             self._fire(f"no step for {idle:.0f} s (run.stall_timeout_s) while groups kept being dropped")
 
     def buffered(self) -> None:
