@@ -66,9 +66,17 @@ def verifier(
     task: list[str],
     metadata: list[dict],
     **kwargs: Any,
-) -> list[float | None]:
-    """Built-in `verifier` reward: the task's own checker."""
-    return [float(verify(t, c, a, m)) for c, a, t, m in zip(completions, answer, task, metadata, strict=True)]
+) -> list[float | Unscorable]:
+    """Built-in `verifier` reward: the task's own checker, one completion at a time (a checker
+    that raises on one completion makes that sample unscorable, not its group)."""
+    return [_verified(t, c, a, m) for c, a, t, m in zip(completions, answer, task, metadata, strict=True)]
+
+
+def _verified(task: str, completion: str, answer: Any, metadata: dict) -> float | Unscorable:
+    try:
+        return float(verify(task, completion, answer, metadata))
+    except Exception as err:  # a checker's bug is its sample's reason
+        return Unscorable(f"raised {type(err).__name__}: {err}")
 
 
 BUILTIN: tuple[str, ...] = ("verifier", "digits", "math_verify")
@@ -104,7 +112,7 @@ class Reward:
         func: RewardFunc,
         *,
         weight: float = 1.0,
-        timeout_s: float = 30.0,
+        timeout_s: float | None = 30.0,
         inline: bool = False,
         process: bool = False,
     ) -> None:
@@ -114,6 +122,7 @@ class Reward:
         self.func = func
         self.weight = weight
         self.timeout_s = timeout_s
+        """Per call; None for a function that bounds each of its own units of work (`math_verify`)."""
         self.inline = inline
         """Run a sync function on the event loop itself (the built-ins: microseconds of work)."""
         self.is_async = is_async(func)
@@ -149,11 +158,13 @@ def builtin_reward(name: str, task: str, *, weight: float = 1.0, timeout_s: floa
     if name == "math_verify":
         from rollflow.scoring.math_verify import MathVerify
 
-        return Reward(name, MathVerify(), weight=weight, timeout_s=timeout_s)
+        # Bounded judgement by judgement; a time limit on a whole group's call would count the
+        # wait for workers other groups hold.
+        return Reward(name, MathVerify(), weight=weight, timeout_s=None)
     if name == "verifier" and task.startswith(REASONING_GYM):
         return Reward(name, verifier, weight=weight, timeout_s=timeout_s)
-    func = {"verifier": verifier, "digits": digits}[name]
-    return Reward(name, func, weight=weight, inline=True)
+    checkers: dict[str, RewardFunc] = {"verifier": verifier, "digits": digits}
+    return Reward(name, checkers[name], weight=weight, inline=True)
 
 
 def make_reward(config: RewardConfig, index: int, given: dict[str, RewardFunc] | None = None, task: str = "") -> Reward:
@@ -309,6 +320,29 @@ class Scorer:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
 
+def finite(value: Any) -> float | None:
+    """`value` as a float if it is a finite number (an int or float, not a bool), else None: NaN,
+    infinities and an int too large for a float (10**400) are not rewards."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def shown(value: Any, limit: int = 80, *, typed: bool = True) -> str:
+    """A value as an error message shows it: its repr, cut to `limit` characters, and its type
+    (unless not `typed`)."""
+    if isinstance(value, int) and value.bit_length() > 10_000:  # repr refuses past 4,300 digits
+        text = f"<an int of {value.bit_length():,} bits>"
+    else:
+        text = repr(value)
+        text = f"{text[:limit]}..." if len(text) > limit else text
+    return f"{text} ({type(value).__name__})" if typed else text
+
+
 def _check(value: Any) -> tuple[float | None, str | None]:
     if isinstance(value, Unscorable):
         return None, value.reason
@@ -316,9 +350,12 @@ def _check(value: Any) -> tuple[float | None, str | None]:
         return None, "returned None"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None, f"returned {value!r} ({type(value).__name__}), expected a number or None"
-    if not math.isfinite(value):
-        return None, f"returned {value}"
-    return float(value), None
+    number = finite(value)
+    if number is None:
+        if isinstance(value, float):
+            return None, f"returned {value}"
+        return None, f"returned {shown(value)}, expected a finite number (it is too large for a float)"
+    return number, None
 
 
 def _check_steps(value: Any, length: int) -> tuple[list[tuple[int, float]], str | None]:

@@ -7,8 +7,11 @@ answer. math-verify's parsing can take very long or never end on hostile text, a
 timeouts (SIGALRM) work only on a process's main thread, so the work runs in worker processes
 (`math_worker.py`, run as a script), each judging one completion at a time with math-verify's
 timeouts on, and a worker that has not answered `DEADLINE_S` after it was asked is killed and
-replaced. A timeout, and a row whose `answer` math-verify cannot parse, make that sample
-unscorable with the reason; the run goes on.
+replaced. Each judgement is bounded (by `DEADLINE_S` from when a worker takes it), not the
+wait for a worker, so a group never times out for the other groups queued before it (the
+scorer puts no time limit of its own on this reward). A timeout, and a row whose `answer`
+math-verify cannot parse or is not math at all (`Paris`), make that sample unscorable with the
+reason; the run goes on.
 
 This module does not parse anything itself; it owns the worker processes.
 """
@@ -93,37 +96,54 @@ class MathVerify:
         """One per worker: a completion waits here for a free worker."""
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()
+        self._jobs: set[asyncio.Task[Judgement]] = set()
+        """Judgements under way (they outlive a cancelled caller; `aclose` ends them)."""
 
     async def __call__(self, prompts: list[str], completions: list[str], *, answer: list[Any], **_: Any) -> list[Any]:
         return list(await asyncio.gather(*(self.judge(a, c) for a, c in zip(answer, completions, strict=True))))
 
     async def judge(self, gold: Any, text: str) -> float | Unscorable:
-        """One completion's reward against the reference answer `gold`."""
+        """One completion's reward against the reference answer `gold`. The wait for a free worker
+        is not bounded here (every judgement ahead of it is); the judgement itself is, by
+        `deadline_s`. A caller cancelled mid-judgement (its group's scoring was) lets the
+        judgement finish, so the worker is kept for the next one instead of killed."""
         if gold is None or not str(gold).strip():
             return Unscorable("math_verify: the prompt has no answer to compare with")
         request = msgspec.json.encode(Request(str(gold), text, self.parse_timeout_s)) + b"\n"
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._workers)
-        async with self._slots:
+        await self._slots.acquire()  # cancelled here, nothing has started
+        job = asyncio.create_task(self._judged(request), name="math-verify-judgement")
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+        result = await asyncio.shield(job)
+        if result.error is not None:
+            return Unscorable(f"math_verify: {result.error}")
+        assert result.value is not None
+        return result.value
+
+    async def _judged(self, request: bytes) -> Judgement:
+        """One judgement on a free worker (holding one of `_slots`, given back at the end)."""
+        assert self._slots is not None
+        try:
             worker = self._idle.pop() if self._idle else await self._start()
             keep = False
             try:
                 result = await worker.judge(request, self.deadline_s)
                 keep = True
+                return result
             except TimeoutError:
-                return Unscorable(f"math_verify: no judgement within {self.deadline_s:g} s (the worker was stopped)")
+                return Judgement(error=f"no judgement within {self.deadline_s:g} s (the worker was stopped)")
             except (EOFError, ConnectionError, msgspec.DecodeError) as err:
-                return Unscorable(f"math_verify: the worker failed ({err})")
+                return Judgement(error=f"the worker failed ({err})")
             finally:
                 if keep and worker.process.returncode is None:
                     self._idle.append(worker)
                 else:  # its late answer must not reach the next request
                     self._all.discard(worker)
                     await asyncio.shield(worker.kill())
-        if result.error is not None:
-            return Unscorable(f"math_verify: {result.error}")
-        assert result.value is not None
-        return result.value
+        finally:
+            self._slots.release()
 
     async def _start(self) -> _Worker:
         process = await asyncio.create_subprocess_exec(
@@ -139,6 +159,10 @@ class MathVerify:
         return worker
 
     async def aclose(self) -> None:
+        jobs = list(self._jobs)
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
         for worker in list(self._all):
             await worker.kill()
         self._all.clear()

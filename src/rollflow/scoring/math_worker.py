@@ -10,9 +10,10 @@ math-verify cannot parse). It exits when its input closes (its parent is gone).
 
 from __future__ import annotations
 
-import functools
 import logging
+import re
 import sys
+from collections import OrderedDict
 from typing import Any
 
 import msgspec
@@ -31,13 +32,43 @@ class Judgement(msgspec.Struct, frozen=True, omit_defaults=True):
     error: str | None = None
 
 
-@functools.lru_cache(maxsize=1024)
+GOLDS_KEPT = 1024
+"""Reference answers kept parsed (a group's samples share one)."""
+
+_golds: OrderedDict[tuple[str, int], Any] = OrderedDict()
+
+_WORDS = re.compile(r"[A-Za-z][A-Za-z .,;:'!?-]*")
+_WORD = re.compile(r"[A-Za-z]{2,}")
+
+
 def gold_of(text: str, timeout_s: int) -> Any:
-    """The reference answer parsed (a group's samples share one), or a Judgement saying why not.
-    A row's answer is the answer itself, read as one expression (`$answer$`) unless it has its
-    own delimiters: so `\\{1, 2\\}` is a set and `(1, 2)` an interval, not the numbers in them."""
+    """The reference answer parsed, or a Judgement saying why it cannot be compared with. What
+    is settled (a parse, an answer that is not math) is kept; a timeout is not, since the next
+    try may finish in time."""
+    key = (text, timeout_s)
+    if key in _golds:
+        _golds.move_to_end(key)
+        return _golds[key]
+    found = _parse_gold(text, timeout_s)
+    if not (isinstance(found, Judgement) and found.error is not None and found.error.startswith("timed out")):
+        _golds[key] = found
+        while len(_golds) > GOLDS_KEPT:
+            _golds.popitem(last=False)
+    return found
+
+
+def _parse_gold(text: str, timeout_s: int) -> Any:
+    """A row's answer is the answer itself, read as one expression (`$answer$`) unless it has its
+    own delimiters: so `\\{1, 2\\}` is a set and `(1, 2)` an interval, not the numbers in them.
+    Undelimited words (`Paris`, `yes`) are not math: math-verify would read them as products of
+    one-letter symbols, and every completion would score 0."""
+    delimited = "$" in text or "\\boxed" in text or "\\(" in text or "\\[" in text
+    if not delimited and _WORDS.fullmatch(text.strip()) and _WORD.search(text):
+        return Judgement(
+            error=f"the answer {text[:60]!r} is not math (math-verify would read its words as products of "
+            "symbols); score text answers with another reward, or write math answers in LaTeX ($...$)"
+        )
     try:
-        delimited = "$" in text or "\\boxed" in text or "\\(" in text or "\\[" in text
         parsed = [] if delimited else parse(f"${text}$", parsing_timeout=timeout_s, raise_on_error=True)
         if not parsed:
             parsed = parse(text, parsing_timeout=timeout_s, raise_on_error=True)
