@@ -36,6 +36,16 @@ class ModelNotFoundError(UserInputError):
     """A model reference that names no usable local model."""
 
 
+class UnusablePrompt(RollflowError):
+    """One prompt could not be made (a procedural task's item that raised): the sampler has moved
+    past it, and the run drops it with this reason and goes on."""
+
+    def __init__(self, prompt_id: str, reason: str) -> None:
+        super().__init__(f"{prompt_id}: {reason}")
+        self.prompt_id = prompt_id
+        self.reason = reason
+
+
 class EngineError(RollflowError):
     """The inference engine failed a request or an operation."""
 

@@ -13,12 +13,13 @@ batch or track what was trained.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable, Iterator
 
 from rollflow.config import DataConfig
 from rollflow.data_files import ROLES, Row, read_rows
-from rollflow.errors import DataError
+from rollflow.errors import DataError, UnusablePrompt
 from rollflow.records import Message, Prompt
 from rollflow.tasks import REASONING_GYM, problem_source
 
@@ -88,20 +89,41 @@ class Sampler:
             metadata=row.metadata,
         )
 
+    async def draw(self) -> Prompt:
+        """The next prompt, as `next`; a task whose problems are slow to make (a reasoning-gym
+        dataset) makes it on a worker thread first, so the event loop never waits for it. The
+        position moves only in `next`, on the caller's thread: a checkpoint taken meanwhile
+        sees the sampler before the draw."""
+        if self._source is not None and self._source.slow:
+            await asyncio.to_thread(self._source.prepare, self._config.seed, self._next_index())
+        return self.next()
+
+    def _next_index(self) -> int:
+        if self._skip is not None and self.position in self._skip:
+            return self._skip.stop
+        return self.position
+
     def next(self) -> Prompt:
-        """The next prompt; advances the position."""
+        """The next prompt; advances the position. `UnusablePrompt` (after advancing) when a
+        procedural task cannot make it: that prompt is dropped, the stream goes on."""
         cfg = self._config
         if self._source is not None:
-            if self._skip is not None and self.position in self._skip:
-                self.position = self._skip.stop
-            problem = self._source(cfg.seed, self.position)
-            row = Row(
-                id=f"{cfg.task}-{cfg.seed}-{self.position}",
-                messages=[Message(role="user", content=problem.question)],
-                answer=problem.answer,
-                task=cfg.task,
-                metadata=problem.metadata,
-            )
+            self.position = self._next_index()
+            prompt_id = f"{cfg.task}-{cfg.seed}-{self.position}"
+            try:
+                problem = self._source(cfg.seed, self.position)
+                row = Row(
+                    id=prompt_id,
+                    messages=[Message(role="user", content=problem.question)],
+                    answer=problem.answer,
+                    task=cfg.task,
+                    metadata=problem.metadata,
+                )
+                self.position += 1
+                return self._make(row, self.epoch)
+            except Exception as err:  # one item's failure is that prompt's, not the run's
+                self.position += 1
+                raise UnusablePrompt(prompt_id, f"prompt unusable: {err}") from err
         else:
             assert self._rows is not None
             if self.position >= len(self._rows):

@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
 async def _generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from rollflow.config import CONTEXT_CAP
     from rollflow.evaluate import evaluate, sampling_spec
     from rollflow.models import prompt_encoder
     from rollflow.sampler import Sampler
@@ -38,7 +39,7 @@ async def _generate(args: argparse.Namespace) -> int:
         raise UserInputError(f"--prompts: expected a positive number, got {args.prompts}")
     console = Console(stderr=True)
     config = model_config(args)
-    check_source(config.data)
+    check_source(config.data, config.engine.max_model_len or CONTEXT_CAP)
     group = 1 if args.greedy else config.rollout.group_size
     model_path, tokenizer = prepared_model(config, console)
     sampler = Sampler(config.data, prompt_encoder(tokenizer, config.data))

@@ -50,11 +50,21 @@ FILES = "jsonl"
 
 class ProblemSource:
     """A procedural task: problem `index` of the stream with seed `seed`, and the system prompt
-    its prompts get when `data.system_prompt` is empty."""
+    its prompts get when `data.system_prompt` is empty. `prepare(seed, index)` does the slow
+    part of making that problem ahead, on any thread (a no-op for tasks that make problems in
+    microseconds)."""
 
-    def __init__(self, make: Callable[[int, int], Problem], system_prompt: str = "") -> None:
+    def __init__(
+        self,
+        make: Callable[[int, int], Problem],
+        system_prompt: str = "",
+        prepare: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.make = make
         self.system_prompt = system_prompt
+        self.prepare = prepare or (lambda seed, index: None)
+        self.slow = prepare is not None
+        """Making a problem can take long enough to stall an event loop (`prepare` it on a thread)."""
 
     def __call__(self, seed: int, index: int) -> Problem:
         return self.make(seed, index)
@@ -70,7 +80,7 @@ def problem_source(config: DataConfig) -> ProblemSource:
         from rollflow.tasks.reasoning_gym import task_for
 
         source = task_for(task, config.task_config, config.answer_from)
-        return ProblemSource(source.problem, source.system_prompt)
+        return ProblemSource(source.problem, source.system_prompt, source.prepare)
     raise ConfigError(f"data.task: {task!r} is not a task; {TASK_FORMS}")
 
 
@@ -81,11 +91,31 @@ TASK_FORMS = (
 """What `data.task` accepts, for error messages."""
 
 
-def check_source(config: DataConfig) -> None:
+CHARS_PER_TOKEN_MAX = 32
+"""More characters than any tokenizer puts in one token on average: a prompt longer than this
+many characters per token of the context cannot fit it, whatever the tokenizer."""
+
+
+def check_source(config: DataConfig, context_tokens: int | None = None) -> None:
     """ConfigError now, before anything heavy starts, when `data.task` names a procedural task
-    that does not exist or settings it refuses (dataset files are read by the sampler)."""
-    if config.task != FILES:
-        problem_source(config)
+    that does not exist, settings it refuses, or settings whose first prompt cannot fit
+    `context_tokens` (`engine.max_model_len`; None: not checked) by its length alone (dataset
+    files are read by the sampler)."""
+    if config.task == FILES:
+        return
+    source = problem_source(config)
+    if context_tokens is None:
+        return
+    try:
+        question = source(config.seed, 0).question
+    except Exception:  # this item's problem: the run drops its prompt with the reason
+        return
+    if len(question) > context_tokens * CHARS_PER_TOKEN_MAX:
+        field = "data.task_config" if config.task.startswith(REASONING_GYM) else "data.task"
+        raise ConfigError(
+            f"{field}: {config.task!r} makes prompts of {len(question):,} characters (its first), more than a "
+            f"context of {context_tokens:,} tokens (engine.max_model_len) can hold; make its problems smaller"
+        )
 
 
 def check_task(task: str) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import math
 import re
 import threading
 from collections import OrderedDict
@@ -41,6 +40,9 @@ size they are given; chunks keep that bounded while the stream itself is endless
 
 DATASETS_KEPT = 8
 """Dataset objects (chunks) kept made; a run reads from two or three (training, held-out)."""
+
+READY_KEPT = 64
+"""Items made ahead by `prepare` and not yet taken, kept at most (the sampler takes each at once)."""
 
 RESERVED = ("seed", "size")
 """Dataset settings rollflow sets itself: the seed from `data.seed` (or `run.eval_seed`), the size endless."""
@@ -111,10 +113,20 @@ class ReasoningGymTask:
         self.answer_from = answer_from
         self._made: OrderedDict[int, Any] = OrderedDict()
         self._lock = threading.Lock()
+        """Guards `_made` and `_making` (never held while a chunk is made)."""
+        self._making: dict[int, threading.Lock] = {}
+        """One lock per chunk being made: a second caller of the same chunk waits for the first."""
+        self._ready: OrderedDict[tuple[int, int], dict[str, Any] | Exception] = OrderedDict()
+        """Items `prepare` made ahead (or the error making one raised), taken by `entry`."""
         try:
             self.entry(0, 0)
         except (AssertionError, TypeError, ValueError) as err:
             raise ConfigError(f"data.task_config: reasoning-gym's {name!r} refuses {self.settings}: {err}") from None
+        except Exception as err:  # a setting that leaves the dataset nothing to draw from, say
+            raise ConfigError(
+                f"data.task_config: reasoning-gym's {name!r} cannot make an item with {self.settings} "
+                f"({type(err).__name__}: {err})"
+            ) from None
 
     @property
     def task(self) -> str:
@@ -132,28 +144,64 @@ class ReasoningGymTask:
         return str(SYSTEM_PROMPTS["default"])
 
     def _dataset(self, seed: int) -> Any:
+        """The chunk made with `seed`; making one can take seconds, so no lock other callers
+        need (for chunks already made) is held meanwhile."""
         with self._lock:
             made = self._made.get(seed)
+            if made is not None:
+                self._made.move_to_end(seed)
+                return made
+            making = self._making.setdefault(seed, threading.Lock())
+        with making:
+            with self._lock:
+                made = self._made.get(seed)
             if made is None:
                 from reasoning_gym import create_dataset
 
                 made = create_dataset(self.name, seed=seed, size=CHUNK, **self.settings)
-                self._made[seed] = made
-                if len(self._made) > DATASETS_KEPT:
-                    self._made.popitem(last=False)
-            else:
-                self._made.move_to_end(seed)
-            return made
+                with self._lock:
+                    self._made[seed] = made
+                    if len(self._made) > DATASETS_KEPT:
+                        self._made.popitem(last=False)
+            with self._lock:
+                self._making.pop(seed, None)
+        return made
+
+    def _make_entry(self, seed: int, index: int) -> dict[str, Any]:
+        chunk, offset = divmod(index, CHUNK)
+        return dict(self._dataset(seed + chunk * CHUNK)[offset])
+
+    def prepare(self, seed: int, index: int) -> None:
+        """Make item `index` of the stream with seed `seed` (and its chunk) ahead of `entry`, on
+        the caller's thread: the sampler calls this on a worker thread so that the event loop
+        never waits for reasoning-gym. An error is kept for `entry` to raise."""
+        try:
+            made: dict[str, Any] | Exception = self._make_entry(seed, index)
+        except Exception as err:
+            made = err
+        with self._lock:
+            self._ready[(seed, index)] = made
+            while len(self._ready) > READY_KEPT:
+                self._ready.popitem(last=False)
 
     def entry(self, seed: int, index: int) -> dict[str, Any]:
         """reasoning-gym's item `index` of the stream with seed `seed` (question, answer, metadata)."""
-        chunk, offset = divmod(index, CHUNK)
-        return dict(self._dataset(seed + chunk * CHUNK)[offset])
+        with self._lock:
+            made = self._ready.pop((seed, index), None)
+        if isinstance(made, Exception):
+            raise made
+        return made if made is not None else self._make_entry(seed, index)
 
     def problem(self, seed: int, index: int) -> Problem:
         """The item as a rollflow problem; its metadata holds the item's own (JSON-safe) and where
         it comes from, which is what scoring needs to make it again."""
-        entry = self.entry(seed, index)
+        try:
+            entry = self.entry(seed, index)
+        except Exception as err:  # this item's, not the run's: the sampler drops its prompt
+            raise ValueError(
+                f"reasoning-gym's {self.name!r} could not make item {index} of seed {seed} with data.task_config "
+                f"{self.settings}: {type(err).__name__}: {err}"
+            ) from err
         metadata = msgspec.json.decode(msgspec.json.encode(entry.get("metadata", {}), enc_hook=str))
         if not isinstance(metadata, dict):
             metadata = {"metadata": metadata}
@@ -171,12 +219,17 @@ class ReasoningGymTask:
     def score(self, completion: str, seed: int, index: int) -> float:
         """The dataset's `score_answer` for the answer the completion gives; ValueError when it
         returns something other than a finite number."""
-        entry = self.entry(seed, index)
+        entry = self._make_entry(seed, index)
         dataset = self._dataset(seed + index // CHUNK * CHUNK)
         value = dataset.score_answer(extract_answer(completion, self.answer_from), entry)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"reasoning-gym's {self.name!r} score_answer returned {value!r}, expected a number")
-        return float(value)
+        from rollflow.scoring import finite, shown  # (scoring imports tasks)
+
+        number = finite(value)
+        if number is None:
+            raise ValueError(
+                f"reasoning-gym's {self.name!r} score_answer returned {shown(value, typed=False)}, expected a number"
+            )
+        return number
 
 
 def task_for(task: str, settings: dict[str, Any], answer_from: AnswerFrom) -> ReasoningGymTask:
