@@ -30,7 +30,7 @@ from rollflow.engine.vllm import VLLMEngine
 from rollflow.envs import ChatFormat, EpisodeLimits, run_episode
 from rollflow.envs.openenv import OpenEnvSource
 from rollflow.models import load_tokenizer, resolve_model
-from rollflow.records import Prompt, SamplingSpec
+from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "environments"
@@ -65,12 +65,12 @@ async def verifiers(engine, chat, spec, server: AgentServer, env: VerifiersEnv, 
 
 async def openenv(engine, chat, spec, source: OpenEnvSource, prompts, tag: str) -> int:
     limits = EpisodeLimits(max_turns=1, max_tokens=spec.max_tokens, max_model_len=engine.config.max_model_len)
-    samples = await asyncio.gather(
-        *(
-            run_episode(source(), p, spec, turns(engine, f"{tag}-{i}"), chat, group_id=tag, index=i, limits=limits)
-            for i, p in enumerate(prompts)
-        )
-    )
+
+    async def episode(i: int, p: Prompt) -> Sample:
+        env = await source()  # waits for a free session, as the producer's episodes do
+        return await run_episode(env, p, spec, turns(engine, f"{tag}-{i}"), chat, group_id=tag, index=i, limits=limits)
+
+    samples = await asyncio.gather(*(episode(i, p) for i, p in enumerate(prompts)))
     assert all(s.unscorable is None for s in samples), [s.unscorable for s in samples if s.unscorable][:1]
     return sum(sum(s.loss_mask) for s in samples)
 

@@ -61,7 +61,7 @@ PROMPT = Prompt(id="sums-0", token_ids=[1], messages=[Message(role="system", con
 async def test_a_right_first_answer_ends_the_episode_with_the_server_reward(chat, source):
     text, answer = question(PROMPT.id)
     script = ScriptedTurns(chat, [str(answer)])
-    sample = await run_episode(source(), PROMPT, SPEC, script, chat, group_id="g", index=0, limits=LIMITS)
+    sample = await run_episode(await source(), PROMPT, SPEC, script, chat, group_id="g", index=0, limits=LIMITS)
     assert sample.unscorable is None and sample.turns == 1
     assert sample.process_rewards == [(sample.num_tokens - 1, 1.0)]
     # the opening is the prompt's system message and the reset observation as the user's
@@ -72,7 +72,7 @@ async def test_a_right_first_answer_ends_the_episode_with_the_server_reward(chat
 async def test_a_wrong_answer_gets_the_observation_as_the_next_message(chat, source):
     _, answer = question(PROMPT.id)
     script = ScriptedTurns(chat, ["no idea", f"It is {answer}"])
-    sample = await run_episode(source(), PROMPT, SPEC, script, chat, group_id="g", index=0, limits=LIMITS)
+    sample = await run_episode(await source(), PROMPT, SPEC, script, chat, group_id="g", index=0, limits=LIMITS)
     assert sample.unscorable is None and sample.turns == 2
     assert [r for _, r in sample.process_rewards] == [0.0, 1.0]
     first = [*chat.tokens("no idea"), chat.tokenizer.eos_token_id]
@@ -86,11 +86,33 @@ async def test_a_group_meets_one_instance_and_sessions_are_released(chat, source
     seen = set()
     for index in range(6):  # more episodes than the 4 sessions: each gives its session back
         script = ScriptedTurns(chat, ["0", "0"])
-        sample = await run_episode(source(), PROMPT, SPEC, script, chat, group_id="g", index=index, limits=LIMITS)
+        sample = await run_episode(await source(), PROMPT, SPEC, script, chat, group_id="g", index=index, limits=LIMITS)
         seen.add(chat.tokenizer.decode(sample.prompt_token_ids))
         assert sample.unscorable is None
     assert len(seen) == 1
     assert len(source.idle) == 1  # one after another, the episodes reset one kept session
+
+
+async def test_waiting_for_a_free_session_is_not_the_environments_time(chat, served, tmp_path):
+    """Episodes queued behind busy sessions wait for one without a step timeout: only the
+    environment's own calls are bounded by `env.step_timeout_s`."""
+    import asyncio
+
+    import openenv_sums
+
+    from rollflow.config import load_config
+    from rollflow.controller import Controller
+    from rollflow.testing import FakeEngine, FakeTrainer, NullTransport
+
+    config = load_config(preset="tiny", overrides=[
+        "run.max_steps=1", "sampling.max_tokens=8", "env.max_turns=1", "env.step_timeout_s=0.5"])
+    # 2 sessions for 32 episodes in flight, each holding its session for about 0.25 s of model turn
+    source = OpenEnvSource(openenv_sums.SumsClient, url=served, sessions=2, timeout_s=0.5)
+    controller = Controller(config, tmp_path, engine=FakeEngine(token_delay=0.03), trainer=FakeTrainer(),
+                            transport=NullTransport(), tokenizer=chat.tokenizer, env=source)
+    result = await asyncio.wait_for(controller.run(), 60)
+    assert result.steps == 1 and result.metrics[0]["unscorable"] == 0
+    assert "unscorable" not in result.dropped, (tmp_path / "ledger.jsonl").read_text()[:400]
 
 
 async def test_a_session_whose_call_was_cut_off_is_closed_not_kept(chat, source, monkeypatch):
@@ -104,7 +126,7 @@ async def test_a_session_whose_call_was_cut_off_is_closed_not_kept(chat, source,
     monkeypatch.setattr(openenv_sums.SumsClient, "step", slow_step)
     limits = EpisodeLimits(max_turns=2, max_tokens=64, step_timeout_s=0.5)
     sample = await run_episode(
-        source(), PROMPT, SPEC, ScriptedTurns(chat, ["1"]), chat, group_id="g", index=0, limits=limits
+        await source(), PROMPT, SPEC, ScriptedTurns(chat, ["1"]), chat, group_id="g", index=0, limits=limits
     )
     assert sample.unscorable == "environment: step timed out after 0.5 s"
     assert source.idle == []
@@ -116,7 +138,7 @@ async def test_an_action_that_cannot_be_made_makes_the_episode_unscorable(chat, 
 
     source.to_action = refuse
     sample = await run_episode(
-        source(), PROMPT, SPEC, ScriptedTurns(chat, ["1"]), chat, group_id="g", index=0, limits=LIMITS
+        await source(), PROMPT, SPEC, ScriptedTurns(chat, ["1"]), chat, group_id="g", index=0, limits=LIMITS
     )
     assert sample.unscorable == "environment: step raised ValueError: not an action"
 

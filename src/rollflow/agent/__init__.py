@@ -18,7 +18,6 @@ module does not generate (the producer's `generate` does) or score.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,7 +29,7 @@ from rollflow.agent.server import AgentServer
 from rollflow.config import EnvConfig
 from rollflow.data_files import Row
 from rollflow.records import Prompt, Sample
-from rollflow.scoring import is_async
+from rollflow.scoring import finite, is_async, shown
 
 __all__ = [
     "AgentEpisode",
@@ -141,7 +140,7 @@ def _checked(result: Any) -> tuple[float | None, str | None]:
     """(the reward, None), or (None, why the result is not one)."""
     if result is None:
         return None, None
-    if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(result):
-        shown = repr(result)[:80]
-        return None, f"agent: returned {shown} ({type(result).__name__}), expected a finite number or None"
-    return float(result), None
+    reward = finite(result)
+    if reward is None:
+        return None, f"agent: returned {shown(result)}, expected a finite number or None"
+    return reward, None

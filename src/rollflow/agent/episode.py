@@ -70,11 +70,11 @@ class Conversation:
 
     def segment(self) -> Segment:
         return Segment(
-            prompt_token_ids=self.opening,
-            completion_token_ids=self.tokens,
-            logprobs=self.logprobs,
-            versions=self.versions,
-            loss_mask=self.mask,
+            prompt_token_ids=list(self.opening),
+            completion_token_ids=list(self.tokens),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            loss_mask=list(self.mask),
         )
 
 
@@ -155,6 +155,8 @@ class AgentEpisode:
         self.calls = 0
         """Model turns generated."""
         self.interruptions = 0
+        self.ended = False
+        """The episode's sample has been taken: later calls are refused and change nothing."""
         self._lock = asyncio.Lock()
 
     async def complete(
@@ -171,6 +173,7 @@ class AgentEpisode:
             raise BadRequest("expected a non-empty list of messages", "messages")
         keys = [json.dumps(tools or [], sort_keys=True), *(message_key(m, i) for i, m in enumerate(messages))]
         async with self._lock:
+            self._refuse_if_ended()
             if self.calls >= self.limits.max_turns:
                 return Reply(content="", finish_reason="length")
             conv = self._continue(keys, tools)
@@ -185,6 +188,7 @@ class AgentEpisode:
                 return Reply(content="", finish_reason="length")
             spec = msgspec.structs.replace(self.sampling, max_tokens=budget, seed=seed)
             turn = await self.generate(conv.opening + conv.tokens, spec, self.calls)
+            self._refuse_if_ended()  # the episode ended while its turn was generated: the turn is not its
             self.calls += 1
             self.interruptions += turn.interruptions
             conv.tokens += turn.completion_token_ids
@@ -199,6 +203,10 @@ class AgentEpisode:
             returned = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
             conv.keys.append(message_key(returned, len(conv.keys)))
             return msgspec.structs.replace(reply, prompt_tokens=len(conv.opening) + len(conv.tokens) - turn.num_tokens)
+
+    def _refuse_if_ended(self) -> None:
+        if self.ended:
+            raise BadRequest("the episode has ended (its agent returned or timed out); this call is not part of it")
 
     def _continue(self, keys: list[Any], tools: list[dict[str, Any]] | None) -> Conversation | None:
         """The conversation this call extends (its new messages appended as environment tokens),
@@ -265,7 +273,9 @@ class AgentEpisode:
 
     def sample(self, group_id: str, index: int, *, reward: float | None, failure: str | None) -> Sample:
         """The episode as one sample: its last conversation, earlier ones as segments; `reward`
-        (the agent's) as a process reward at its last token."""
+        (the agent's) as a process reward at its last token. The episode ends here: the sample
+        holds copies, and a call still in flight is refused when its turn comes back."""
+        self.ended = True
         conv = self.current
         if conv is None:
             failure = failure or "agent: made no call to its endpoint"
@@ -274,11 +284,11 @@ class AgentEpisode:
             prompt_id=self.prompt.id,
             group_id=group_id,
             index=index,
-            prompt_token_ids=conv.opening if conv is not None else self.prompt.token_ids,
-            completion_token_ids=conv.tokens if conv is not None else [],
-            logprobs=conv.logprobs if conv is not None else [],
-            versions=conv.versions if conv is not None else [],
-            loss_mask=conv.mask if conv is not None else [],
+            prompt_token_ids=list(conv.opening) if conv is not None else self.prompt.token_ids,
+            completion_token_ids=list(conv.tokens) if conv is not None else [],
+            logprobs=list(conv.logprobs) if conv is not None else [],
+            versions=list(conv.versions) if conv is not None else [],
+            loss_mask=list(conv.mask) if conv is not None else [],
             finish_reason=conv.finish_reason if conv is not None else "stop",
             sampling=self.sampling,
             interruptions=self.interruptions,

@@ -26,6 +26,7 @@ from typing import Any
 from rollflow.agent import AgentTask
 from rollflow.agent.http import http_client
 from rollflow.data_files import Row
+from rollflow.envs import Served
 from rollflow.errors import ConfigError, DataError
 from rollflow.records import Message
 
@@ -73,7 +74,7 @@ def _close_modules(name: str) -> list[str]:
     return difflib.get_close_matches(name, modules, n=3, cutoff=0.6)
 
 
-class VerifiersEnv:
+class VerifiersEnv(Served):
     """One loaded verifiers environment: its prompts, and the agent that plays one episode."""
 
     def __init__(self, env_id: str, args: dict[str, Any] | None = None) -> None:

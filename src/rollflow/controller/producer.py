@@ -27,8 +27,8 @@ from rollflow.controller.accounting import Accounting
 from rollflow.controller.groups import GroupScoring, InFlight
 from rollflow.controller.stall import StallWatch
 from rollflow.controller.supervisor import Supervisor
-from rollflow.envs import ChatFormat, EnvFactory, EpisodeLimits, run_episode
-from rollflow.errors import EngineDeadError, EngineError
+from rollflow.envs import ChatFormat, EnvFactory, EpisodeLimits, open_environment, run_episode
+from rollflow.errors import EngineDeadError, EngineError, UnusablePrompt
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import PartialSample, Progress, rollout
 from rollflow.sampler import Sampler
@@ -122,17 +122,26 @@ class Producer(GroupScoring):
             self._launch(tg, pending.prompt, pending.group_id, pending.samples)
         self.resume_from = []
         while await self.admission.acquire(group_size):
-            prompt = self.sampler.next()
-            self.consumed.append(prompt.id)
-            if (reason := self._unusable(prompt)) is not None:  # dropped before it is sent
-                self.accounting.drop(prompt.id, reason)
-                self.stall.failed(reason)
-                await self.admission.release(group_size)
-                await asyncio.sleep(0)  # nothing above waits: let the rest of the run see the drop
+            try:
+                prompt = await self.sampler.draw()
+            except UnusablePrompt as err:
+                await self._refuse(err.prompt_id, err.reason)
                 continue
+            if (reason := self._unusable(prompt)) is not None:
+                await self._refuse(prompt.id, reason)
+                continue
+            self.consumed.append(prompt.id)
             group_id = f"g{self.group_seq}"
             self.group_seq += 1
             self._launch(tg, prompt, group_id, [PartialSample() for _ in range(group_size)])
+
+    async def _refuse(self, prompt_id: str, reason: str) -> None:
+        """A drawn prompt is dropped before it is sent, giving its admission room back."""
+        self.consumed.append(prompt_id)
+        self.accounting.drop(prompt_id, reason)
+        self.stall.failed(reason)
+        await self.admission.release(self.config.rollout.group_size)
+        await asyncio.sleep(0)  # nothing above may wait: let the rest of the run see the drop
 
     def _unusable(self, prompt: Prompt) -> str | None:
         """Why the engine would refuse this prompt, or None."""
@@ -280,8 +289,9 @@ class Producer(GroupScoring):
             )
         else:
             assert self.env is not None
+            env = await open_environment(self.env)
             sample = await run_episode(
-                self.env(), prompt, self.spec, turn, self.chat, group_id=group_id, index=index, limits=self.limits
+                env, prompt, self.spec, turn, self.chat, group_id=group_id, index=index, limits=self.limits
             )
         progress.saved = PartialSample(done=sample)
         return sample

@@ -20,7 +20,7 @@ from rollflow.agent import Agent, PromptSource, agent_source
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState
 from rollflow.checks import check_training
-from rollflow.config import Config, dump_config
+from rollflow.config import CONTEXT_CAP, Config, dump_config
 from rollflow.controller.accounting import Accounting
 from rollflow.controller.persistence import Checkpointer, Outputs, prepare_output_dir
 from rollflow.controller.producer import Producer
@@ -100,7 +100,7 @@ class Controller(Snapshots):
         check_training(config)
         check_engines(config)
         if agent is None and not config.env.verifiers:  # a verifiers environment brings its own prompts
-            check_source(config.data)
+            check_source(config.data, config.engine.max_model_len or CONTEXT_CAP)
         self.config = config
         self.output_dir = Path(output_dir)
         self.on_step = on_step

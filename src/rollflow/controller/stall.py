@@ -4,11 +4,14 @@ A group is *dropped as failed* when none of its samples could be scored, when th
 it, or when its prompt cannot fit the engine's context. One such group is ordinary (a flaky
 reward server, one odd prompt); many in a row with nothing trained in between mean a broken
 reward function, server, environment or dataset. `StallWatch` counts them and, at
-`run.max_dropped_in_a_row` in a row, or once no step has been taken for `run.stall_timeout_s`
+`run.max_dropped_in_a_row` in a row, or once `run.stall_timeout_s` have passed without progress
 while groups keep failing, asks the run to stop with a message naming the top reasons. Groups
 that reach the buffer reset the count. Groups filtered by dynamic sampling are not failures,
 but a run that only filters (a policy that has solved every prompt, or fails them all) takes no
-step, so the time limit ends it too. It decides nothing else; the controller stops the run.
+step, so the time limit ends it too. Progress, which restarts the time limit's clock, is a step,
+a group reaching the buffer, or the end of work that is not generation (an evaluation, a
+checkpoint): a slow step or evaluation followed by one ordinary filtered group is not a stall.
+It decides nothing else; the controller stops the run.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class StallWatch:
         self.reasons: Counter[str] = Counter()
         """Why, since the last trained step (or the start)."""
         self.since = clock()
-        """When the last step was taken (or the run started)."""
+        """When the run last made progress (a step, a buffered group, the end of an evaluation or
+        checkpoint), or started."""
         self.message: str | None = None
         """Set once the rule has fired: why the run cannot learn."""
 
@@ -70,11 +74,17 @@ class StallWatch:
     def buffered(self) -> None:
         """A group reached the buffer: it will be trained."""
         self.in_a_row = 0
+        self.restart_clock()
 
     def stepped(self) -> None:
         """A step was taken."""
-        self.since = self.clock()
+        self.restart_clock()
         self.reasons.clear()
+
+    def restart_clock(self) -> None:
+        """The run did something other than generate (an evaluation, a checkpoint) and is back:
+        the time limit counts from now."""
+        self.since = self.clock()
 
     def raise_if_fired(self, saved: Path | None) -> None:
         """The run's error once the rule has fired (`saved`: the checkpoint written since)."""

@@ -123,12 +123,15 @@ class TrainingLoop:
             self.stall.stepped()
             self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
             evaluated = await self._evaluate_if_due(step + 1)
+            if evaluated:
+                self.stall.restart_clock()
             self._report(step, (t0, t_batch, t_step, t_sync), before, stats, trained, staged, evaluated)
             await self._stop_if_diverged(step)
             if self.stop.is_set():
                 break
             if self.checkpointer.due(step + 1):
                 await self.checkpoint(step + 1, False)
+                self.stall.restart_clock()
         if self.stop.is_set():
             if self.checkpointer.enabled:
                 await self.checkpoint(self.steps_done, True)

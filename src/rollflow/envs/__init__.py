@@ -22,9 +22,10 @@ does not run reward functions (see `rollflow.scoring`) or generate (the caller's
 
 from __future__ import annotations
 
+import abc
 import asyncio
+import inspect
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,8 +33,8 @@ import msgspec
 
 from rollflow.config import EnvConfig
 from rollflow.errors import ConfigError
-from rollflow.records import Message, Prompt, Sample, SamplingSpec
-from rollflow.scoring import Scored
+from rollflow.records import Message, Prompt, Sample, SamplingSpec, Segment
+from rollflow.scoring import Scored, finite, shown
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +73,20 @@ class Environment(Protocol):
         ...
 
 
-EnvFactory = Callable[[], Environment]
-"""Makes one environment per episode."""
+EnvFactory = Callable[[], Environment | Awaitable[Environment]]
+"""Makes one environment per episode (`open_environment` calls it)."""
 
 
-@runtime_checkable
-class Served(Protocol):
+class Served(abc.ABC):
     """An episode source that holds something for the whole run (a server it started, a
     connection pool): the controller starts it before the run's first episode and closes it at
-    the end, however the run ends."""
+    the end, however the run ends. A source says so by subclassing this; an episode's own
+    environment with `start` and `aclose` methods is not one (its `aclose` ends its episode)."""
 
+    @abc.abstractmethod
     async def start(self) -> None: ...
 
+    @abc.abstractmethod
     async def aclose(self) -> None: ...
 
 
@@ -144,6 +147,33 @@ class EpisodeLimits(msgspec.Struct, frozen=True, kw_only=True):
     step_timeout_s: float = 30.0
 
 
+class _Sequence:
+    """One token sequence of an episode: the opening, then the turns (model and environment)."""
+
+    def __init__(self, rendered: str, opening: list[int]) -> None:
+        self.rendered = rendered
+        self.opening = opening
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.mask: list[int] = []
+
+    def add(self, tokens: list[int], logprobs: list[float], versions: list[int], mask: int) -> None:
+        self.tokens += tokens
+        self.logprobs += logprobs
+        self.versions += versions
+        self.mask += [mask] * len(tokens)
+
+    def segment(self) -> Segment:
+        return Segment(
+            prompt_token_ids=self.opening,
+            completion_token_ids=self.tokens,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            loss_mask=self.mask,
+        )
+
+
 async def run_episode(
     env: Environment,
     prompt: Prompt,
@@ -159,12 +189,18 @@ async def run_episode(
     messages, with loss mask 1 on the model's tokens and 0 on the environment's. Environment
     tokens carry log-prob 0 and the version of the model token before them (so they never make
     the sample look staler than its oldest model token). An environment failure makes the sample
-    unscorable with the reason."""
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    versions: list[int] = []
-    mask: list[int] = []
+    unscorable with the reason.
+
+    A chat template that renders the conversation so far differently from the tokens already in
+    the sequence (Qwen3's drops earlier turns' `<think>` blocks) cannot be continued token by
+    token: the sequence so far becomes a segment of the sample (`Sample.segments`, trained with
+    its reward and advantage) and the next turn starts a new sequence from the template's own
+    rendering. `limits.max_tokens` counts the completion tokens of all of them."""
+    seq = _Sequence("", [])
+    closed: list[_Sequence] = []
     steps: list[tuple[int, float]] = []
+    carried = 0.0
+    """Rewards of turns in closed sequences (anchored on the last sequence's last token)."""
     interruptions = 0
     finish_reason = "length"
     failure: str | None = None
@@ -173,25 +209,23 @@ async def run_episode(
         try:
             messages = _opening(await _bounded(env.reset(prompt), limits.step_timeout_s, "reset"))
             rendered = chat.render(messages)
-            opening = chat.tokens(rendered)
+            seq = _Sequence(rendered, chat.tokens(rendered))
         except _EnvFailed as err:  # no episode: the sample is the prompt alone, unscorable
-            failure, finish_reason, opening = str(err), "stop", prompt.token_ids
+            failure, finish_reason, seq = str(err), "stop", _Sequence("", prompt.token_ids)
         while failure is None and turns < limits.max_turns:
-            room = min(limits.max_tokens - len(tokens), limits.max_model_len - len(opening) - len(tokens))
+            spent = sum(len(c.tokens) for c in closed) + len(seq.tokens)
+            room = min(limits.max_tokens - spent, limits.max_model_len - len(seq.opening) - len(seq.tokens))
             budget = min(sampling.max_tokens, room)
             if budget <= 0:
                 finish_reason = "length"
                 break
             spec = msgspec.structs.replace(sampling, max_tokens=budget)
-            turn = await generate(opening + tokens, spec, turns)
-            tokens += turn.completion_token_ids
-            logprobs += turn.logprobs
-            versions += turn.versions
-            mask += [1] * turn.num_tokens
+            turn = await generate(seq.opening + seq.tokens, spec, turns)
+            seq.add(turn.completion_token_ids, turn.logprobs, turn.versions, 1)
             interruptions += turn.interruptions
             finish_reason = turn.finish_reason
             text = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=False)
-            rendered += text
+            seq.rendered += text
             messages.append(Message(role="assistant", content=chat.assistant_content(text)))
             plain = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=True)
             try:
@@ -201,38 +235,55 @@ async def run_episode(
                 failure = str(err)
                 break
             turns += 1
-            if result.reward is not None and tokens:
-                steps.append((len(tokens) - 1, result.reward))
+            if result.reward is not None and seq.tokens:
+                steps.append((len(seq.tokens) - 1, result.reward))
             if result.done or not result.messages:
                 finish_reason = "stop" if result.done else finish_reason
                 break
             messages += result.messages
-            rendered, added = chat.extend(rendered, messages)
-            if len(tokens) + len(added) >= min(limits.max_tokens, limits.max_model_len - len(opening)):
+            spent += turn.num_tokens
+            try:
+                seq.rendered, added = chat.extend(seq.rendered, messages)
+            except ValueError:  # the template rewrites history: the next turn starts a new sequence
+                rendered = chat.render(messages)
+                opening = chat.tokens(rendered)
+                if turns >= limits.max_turns or len(opening) >= limits.max_model_len or spent >= limits.max_tokens:
+                    finish_reason = "length"
+                    break
+                closed.append(seq)
+                carried += sum(r for _, r in steps)
+                steps = []
+                seq = _Sequence(rendered, opening)
+                continue
+            if spent + len(added) >= limits.max_tokens or (
+                len(seq.opening) + len(seq.tokens) + len(added) >= limits.max_model_len
+            ):
                 finish_reason = "length"  # no room left for another turn after what the environment said
                 break
-            last_version = versions[-1] if versions else 0
-            tokens += added
-            logprobs += [0.0] * len(added)
-            versions += [last_version] * len(added)
-            mask += [0] * len(added)
+            last_version = seq.versions[-1] if seq.versions else 0
+            seq.add(added, [0.0] * len(added), [last_version] * len(added), 0)
     finally:
-        await _close(env)
+        await _close(env, limits.step_timeout_s)
+    if closed and not seq.tokens:  # split, but no turn followed: the last sequence is the closed one
+        seq = closed.pop()
+    if carried and seq.tokens:
+        steps.append((len(seq.tokens) - 1, carried))
     return Sample(
         prompt_id=prompt.id,
         group_id=group_id,
         index=index,
-        prompt_token_ids=opening,
-        completion_token_ids=tokens,
-        logprobs=logprobs,
-        versions=versions,
-        loss_mask=mask,
+        prompt_token_ids=seq.opening,
+        completion_token_ids=seq.tokens,
+        logprobs=seq.logprobs,
+        versions=seq.versions,
+        loss_mask=seq.mask,
         finish_reason=finish_reason,
         sampling=sampling,
         interruptions=interruptions,
         unscorable=failure,
         process_rewards=steps,
         turns=max(turns, 1),
+        segments=[c.segment() for c in closed],
     )
 
 
@@ -252,7 +303,7 @@ async def _bounded(call: Awaitable[Any], timeout_s: float, what: str) -> Any:
 def _opening(messages: Any) -> list[Message]:
     """`reset`'s result, checked: a list of `Message`s."""
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Message) for m in messages):
-        raise _EnvFailed(f"environment: reset returned {_shown(messages)}, expected a list of Message")
+        raise _EnvFailed(f"environment: reset returned {shown(messages)}, expected a list of Message")
     return list(messages)
 
 
@@ -260,31 +311,39 @@ def _answer(result: Any) -> EnvStep:
     """`step`'s result, checked: an `EnvStep` whose reward is None or a finite number (never a
     string taken for a number, never NaN)."""
     if not isinstance(result, EnvStep):
-        raise _EnvFailed(f"environment: step returned {_shown(result)}, expected an EnvStep")
+        raise _EnvFailed(f"environment: step returned {shown(result)}, expected an EnvStep")
     if not isinstance(result.messages, (list, tuple)) or not all(isinstance(m, Message) for m in result.messages):
-        raise _EnvFailed(f"environment: step returned messages {_shown(result.messages)}, expected a list of Message")
-    reward = result.reward
-    if reward is None:
+        raise _EnvFailed(f"environment: step returned messages {shown(result.messages)}, expected a list of Message")
+    if result.reward is None:
         return result
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        raise _EnvFailed(f"environment: step returned reward {_shown(reward)}, expected a finite number or None")
-    return msgspec.structs.replace(result, reward=float(reward))
+    reward = finite(result.reward)
+    if reward is None:
+        raise _EnvFailed(f"environment: step returned reward {shown(result.reward)}, expected a finite number or None")
+    return msgspec.structs.replace(result, reward=reward)
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return f"{text[:80]}... ({type(value).__name__})" if len(text) > 80 else f"{text} ({type(value).__name__})"
-
-
-async def _close(env: Environment) -> None:
-    """Close the episode's environment, whatever ended it; a failing close is logged."""
-    close = getattr(env, "aclose", None)
+async def _close(env: Environment, timeout_s: float) -> None:
+    """Close the episode's environment (its optional `aclose`), whatever ended it, within
+    `timeout_s`: a close that fails or hangs is logged and left behind, never holding its group."""
+    close = getattr(env, "aclose", None)  # optional in the user's Environment
     if close is None:
         return
     try:
-        await close()
+        await asyncio.wait_for(close(), timeout_s)
+    except TimeoutError:
+        log.warning("environment: aclose did not return within %g s (env.step_timeout_s); left behind", timeout_s)
     except Exception as err:
         log.warning("environment: aclose raised %s: %s", type(err).__name__, err)
+
+
+async def open_environment(factory: EnvFactory) -> Environment:
+    """A new episode's environment from `factory`, which may be a coroutine function: an OpenEnv
+    source waits there for a free session. That wait is not the environment's time (no step
+    timeout applies); it is bounded by the episodes holding the sessions, whose every call is."""
+    env = factory()
+    if inspect.isawaitable(env):
+        env = await env
+    return env
 
 
 def episode_score(sample: Sample) -> Scored:

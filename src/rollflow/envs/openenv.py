@@ -33,7 +33,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from rollflow.envs import EnvStep, Turn
+from rollflow.envs import EnvStep, Served, Turn
 from rollflow.errors import ConfigError
 from rollflow.records import Message, Prompt
 
@@ -116,7 +116,7 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-class OpenEnvSource:
+class OpenEnvSource(Served):
     """Makes each episode's `OpenEnvEpisode`; owns the server it starts and the session limit."""
 
     def __init__(
@@ -151,9 +151,12 @@ class OpenEnvSource:
         self._process: asyncio.subprocess.Process | None = None
         self._log: Any = None
 
-    def __call__(self) -> OpenEnvEpisode:
+    async def __call__(self) -> OpenEnvEpisode:
+        """A new episode, once one of the `sessions` is free (waiting for one is not the
+        environment's time: `env.step_timeout_s` bounds the server's calls, not this wait)."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._sessions)
+        await self._slots.acquire()
         return OpenEnvEpisode(self, self._slots)
 
     async def start(self) -> None:
@@ -244,20 +247,19 @@ class OpenEnvSource:
 
 
 class OpenEnvEpisode:
-    """One episode: a session with the server, held from reset to the end of the episode."""
+    """One episode: a session with the server, held from reset to the end of the episode (the
+    source made it holding one of its session slots; `aclose` gives it back)."""
 
     def __init__(self, source: OpenEnvSource, slots: asyncio.Semaphore) -> None:
         self.source = source
         self._slots = slots
         self._client: Any = None
-        self._holding = False
+        self._holding = True
         self._clean = False
         """The last call on the session returned (none was cut off): the session can be reused."""
 
     async def reset(self, prompt: Prompt) -> list[Message]:
         source = self.source
-        await self._slots.acquire()
-        self._holding = True
         if source.idle:
             self._client = source.idle.pop()
         else:
