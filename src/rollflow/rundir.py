@@ -4,13 +4,16 @@
 process ends, so a SIGKILL leaves nothing to clean up): a second run on the directory is refused
 at once. `status.json` (`RunStatus`) says whether the run is running, finished, stopped or
 failed; `running` with no live holder of the lock means it was killed. `rollflow ledger` reads
-both. This module writes nothing else.
+both. `new_run_dir` makes a fresh directory for a new run. This module writes nothing else.
 """
 
 from __future__ import annotations
 
+import atexit
 import fcntl
+import itertools
 import os
+import time
 from pathlib import Path
 
 import msgspec
@@ -69,6 +72,21 @@ def lock_holder(out: Path) -> str | None:
     return None
 
 
+def new_run_dir(name: str, root: str | Path = "runs") -> Path:
+    """A new output directory for a run called `name`, made now: `root/name-YYYYmmdd-HHMMSS`
+    (with `-2`, `-3`, ... when that is taken), so a script run again never meets its last run."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = Path(root) / (f"{name}-{stamp}" if n == 1 else f"{name}-{stamp}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
+
+
 class RunStatus(msgspec.Struct, omit_defaults=True):
     """How the run in a directory ended (`status.json`), so an audit can tell a finished run
     from one that stopped, failed or was killed (`running` with no live process)."""
@@ -95,15 +113,35 @@ def read_status(out: Path) -> RunStatus | None:
         return None
 
 
+_exit_reason = "the process exited before the run ended"
+
+
+def exiting(reason: str) -> None:
+    """The process is about to exit at once for `reason` (a signal's bound passed): a run still
+    recorded as running records it as its failure."""
+    global _exit_reason
+    _exit_reason = f"the process exited: {reason}"
+
+
 class OwnedRun:
-    """A run's hold on its directory: the lock, and `status.json` from start to end."""
+    """A run's hold on its directory: the lock, and `status.json` from start to end (a process
+    that exits through its exit hooks while the run is `running` records `failed` with why)."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
         self._lock = RunLock(out)
+        self._state = ""
+        self._steps = 0
+        atexit.register(self._on_exit)
 
     def record(self, state: str, steps: int = 0, error: str = "") -> None:
+        self._state, self._steps = state, steps
         write_status(self.out, RunStatus(state, pid=os.getpid(), steps=steps, error=error[:1000]))
 
+    def _on_exit(self) -> None:
+        if self._state == "running":
+            self.record("failed", self._steps, _exit_reason)
+
     def release(self) -> None:
+        atexit.unregister(self._on_exit)
         self._lock.release()

@@ -65,3 +65,48 @@ def test_with_a_free_event_loop_the_first_signal_asks_to_stop_and_the_second_can
     assert "stop asked" in out and "cancelled" in out
     assert code == 3 and seconds < 2  # cancelled, not cut off by the grace timer
     assert "stopping after the current step" in err and "stopping now" in err
+
+
+BLOCKED = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from pathlib import Path
+    from rollflow.cli.train import stop_on_signals
+    from rollflow.rundir import OwnedRun
+
+    async def main(out):
+        loop = asyncio.get_running_loop()
+        owned = OwnedRun(Path(out))
+        owned.record("running")
+        stop_on_signals(loop, lambda: print("stop asked", flush=True), asyncio.current_task().cancel, grace_s=2.0,
+                        blocked_s=2.0)
+        print("ready", flush=True)
+        time.sleep(120)  # a user's function blocks the event loop: the stop request is never taken
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+def test_a_first_signal_the_blocked_event_loop_never_takes_ends_the_process_and_says_so(tmp_path):
+    """One SIGTERM is enough: when the loop does not take the stop request within its bound, the
+    process exits (130) and status.json says why, instead of ignoring the signal and staying
+    'running'."""
+    import json
+
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("still running 30 s after SIGTERM")
+    assert proc.returncode == 130 and time.monotonic() - began < 15
+    assert "stop asked" not in out
+    assert "the event loop did not take the stop request within 2 s" in err
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] == "failed" and "did not take the stop request" in status["error"]

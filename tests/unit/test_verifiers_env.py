@@ -95,3 +95,96 @@ def test_the_config_names_conflicting_and_orphan_settings():
     assert "one source of episodes at a time" in problems and "run.eval_prompts" in problems
     orphan = load_config(preset="tiny", overrides=["env.verifiers_args={n = 3}"])
     assert any("env.verifiers_args: set without env.verifiers" in p for p in training_problems(orphan))
+
+
+BAD_ENVIRONMENTS = {
+    "vf_judge_down": """
+import verifiers as vf
+from datasets import Dataset
+
+def load_environment():
+    def judge(completion, answer, **kwargs) -> float:
+        raise RuntimeError("the judge is down")
+
+    def length(completion, **kwargs) -> float:
+        return 1.0
+
+    rows = [{"question": "What is 1 + 1?", "answer": "2"}]
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[judge, length]))
+""",
+    "vf_slow_judge": """
+import time
+import verifiers as vf
+from datasets import Dataset
+
+def load_environment():
+    def judge(completion, answer, **kwargs) -> float:
+        time.sleep(3)  # a synchronous call to a slow service
+        return 1.0
+
+    rows = [{"question": "What is 1 + 1?", "answer": "2"}]
+    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[judge]))
+""",
+    "vf_exits": """
+import sys
+sys.exit(0)
+""",
+    "vf_not_an_env": """
+def load_environment():
+    return {"dataset": []}
+""",
+}
+
+
+@pytest.fixture
+def bad_environments(tmp_path, monkeypatch):
+    for name, source in BAD_ENVIRONMENTS.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.usefixtures("bad_environments")
+async def test_a_rubric_function_that_raises_makes_the_episode_unscorable_not_zero(chat, agent_server):
+    env = VerifiersEnv("vf-judge-down")
+    sample = await play(env, agent_server, chat, 0, ["2"])
+    assert sample.process_rewards == [] and sample.unscorable is not None
+    assert "reward function judge raised RuntimeError: the judge is down" in sample.unscorable
+
+
+@pytest.mark.usefixtures("bad_environments")
+async def test_a_blocking_rubric_function_runs_off_the_loop_and_its_episode_times_out(chat, agent_server):
+    import asyncio
+    import time
+
+    env = VerifiersEnv("vf-slow-judge")
+    row = env.rows()[0]
+    prompt = Prompt(id=row.id, token_ids=[1], messages=row.messages, answer=row.answer, task=row.task,
+                    metadata=row.metadata)
+    episode = AgentEpisode(prompt, SPEC, ScriptedTurns(chat, ["2"]), chat, EpisodeLimits(max_tokens=512))
+    gaps, stop = [], asyncio.Event()
+
+    async def tick():
+        while not stop.is_set():
+            began = time.monotonic()
+            await asyncio.sleep(0.05)
+            gaps.append(time.monotonic() - began)
+
+    ticker = asyncio.ensure_future(tick())
+    began = time.monotonic()
+    try:
+        sample = await run_agent(env, episode, agent_server, group_id="g0", index=0, timeout_s=1.0)
+    finally:
+        stop.set()
+        await ticker
+        await env.aclose()
+    assert time.monotonic() - began < 2.5
+    assert sample.unscorable == "agent: timed out after 1 s (env.episode_timeout_s)"
+    assert max(gaps) < 0.5, f"the event loop was blocked for {max(gaps):.2f} s"
+
+
+@pytest.mark.usefixtures("bad_environments")
+def test_an_environment_that_exits_or_returns_the_wrong_type_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"env.verifiers: loading 'vf-exits' called sys.exit\(0\)"):
+        VerifiersEnv("vf-exits")
+    with pytest.raises(ConfigError, match=r"'vf-not-an-env''s load_environment returned dict, not an Environment"):
+        VerifiersEnv("vf-not-an-env")

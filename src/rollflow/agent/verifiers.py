@@ -17,7 +17,10 @@ scored on its own. The library is imported lazily; without it, one error names t
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import difflib
+import functools
 import importlib.util
 import pkgutil
 from importlib import metadata
@@ -29,6 +32,7 @@ from rollflow.data_files import Row
 from rollflow.envs import Served
 from rollflow.errors import ConfigError, DataError
 from rollflow.records import Message
+from rollflow.scoring import finite, is_async, shown
 
 EXTRA = "pip install 'rollflow[verifiers]'"
 """How to install the library (named in the error when it is missing)."""
@@ -74,6 +78,57 @@ def _close_modules(name: str) -> list[str]:
     return difflib.get_close_matches(name, modules, n=3, cutoff=0.6)
 
 
+_FAILURES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("rollflow_verifiers", default=None)
+"""The current episode's rubric failures (verifiers turns an exception into a reward of 0)."""
+
+
+def _guard(env: Any) -> None:
+    """Wrap the environment's rubric functions and tools, in place: a synchronous one runs on a
+    worker thread (verifiers calls it on the event loop, where one that blocks would freeze the
+    run); a rubric function that raises or returns a non-number is recorded as the episode's
+    failure (verifiers scores it 0). A wrapper keeps the function's name and signature, which
+    verifiers reads to choose its arguments."""
+    rubrics = [env.rubric]
+    while rubrics:
+        rubric = rubrics.pop()
+        rubrics += getattr(rubric, "rubrics", [])  # a RubricGroup's members
+        rubric.funcs = [_guarded(func, record=True) for func in rubric.funcs]
+    tools = getattr(env, "tool_map", None)  # a ToolEnv's (its tool errors are the model's to read)
+    if isinstance(tools, dict):
+        for name, tool in tools.items():
+            tools[name] = _guarded(tool, record=False)
+
+
+def _guarded(func: Any, *, record: bool) -> Any:
+    if getattr(func, "__rollflow_guarded__", False):
+        return func
+    name = getattr(func, "__name__", repr(func))
+    sync = not is_async(func)
+
+    @functools.wraps(func)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            if sync:
+                result = await asyncio.to_thread(func, *args, **kwargs)
+            else:
+                result = await func(*args, **kwargs)
+        except Exception as err:
+            failures = _FAILURES.get()
+            if record and failures is not None:
+                failures.append(f"reward function {name} raised {type(err).__name__}: {err}")
+                return 0.0  # what verifiers would make of it; the episode is unscorable anyway
+            raise
+        if record and finite(result) is None and not isinstance(result, (list, dict)):
+            failures = _FAILURES.get()
+            if failures is not None:
+                failures.append(f"reward function {name} returned {shown(result)}, expected a finite number")
+                return 0.0
+        return result
+
+    call.__rollflow_guarded__ = True  # type: ignore[attr-defined]
+    return call
+
+
 class VerifiersEnv(Served):
     """One loaded verifiers environment: its prompts, and the agent that plays one episode."""
 
@@ -88,11 +143,16 @@ class VerifiersEnv(Served):
             )
         try:
             env = vf.load_environment(env_id, **(args or {}))
+        except SystemExit as err:  # an environment module that exits must not end the run silently
+            raise ConfigError(f"env.verifiers: loading {env_id!r} called sys.exit({err.code!r})") from None
         except Exception as err:  # verifiers wraps the environment's own error; show what it was
             cause = err.__cause__ or err
-            raise ConfigError(
-                f"env.verifiers: {env_id!r} could not be loaded: {type(cause).__name__}: {cause}"
-            ) from None
+            if isinstance(cause, AttributeError) and cause.name == "env_id" and cause.obj is not None:
+                env = cause.obj  # verifiers labels what load_environment returned: not an Environment
+            else:
+                raise ConfigError(
+                    f"env.verifiers: {env_id!r} could not be loaded: {type(cause).__name__}: {cause}"
+                ) from None
         if not isinstance(env, vf.Environment):
             raise ConfigError(
                 f"env.verifiers: {env_id!r}'s load_environment returned {type(env).__name__}, not an Environment"
@@ -104,6 +164,7 @@ class VerifiersEnv(Served):
             )
         self.env_id = env_id
         self.env = env
+        _guard(env)
         self.sampling_args = {k: v for k, v in (env.sampling_args or {}).items() if k not in RUN_OWNS and v}
         self._http: Any = None
 
@@ -159,10 +220,17 @@ class VerifiersEnv(Served):
         client = vf.OpenAIChatCompletionsClient(
             openai.AsyncOpenAI(base_url=base_url, api_key="unused", http_client=self._http, max_retries=0)
         )
-        output = await self.env.run_rollout(rollout_input, client, task.model, dict(self.sampling_args))
+        failures: list[str] = []
+        recording = _FAILURES.set(failures)
+        try:
+            output = await self.env.run_rollout(rollout_input, client, task.model, dict(self.sampling_args))
+        finally:
+            _FAILURES.reset(recording)
         error = output.get("error")
         if error:
             raise EpisodeFailed(f"verifiers rollout of {self.env_id!r} failed: {error}")
+        if failures:  # verifiers scored them 0: a failure is never a score here
+            raise EpisodeFailed(f"verifiers rubric of {self.env_id!r}: {failures[0]}")
         reward = output.get("reward")
         if reward is None:
             raise EpisodeFailed(f"verifiers rollout of {self.env_id!r} has no reward (score_rollouts is off?)")

@@ -100,28 +100,47 @@ async def _train(args: argparse.Namespace) -> int:
 STOP_GRACE_S = 5.0
 """After a second Ctrl-C, how long the run may take to stop before the process exits anyway."""
 
+BLOCKED_LOOP_S = 10.0
+"""After the first Ctrl-C or SIGTERM, how long the event loop has to take the stop request (it
+does at once unless code blocks it) before the process exits anyway."""
+
 
 def stop_on_signals(
     loop: asyncio.AbstractEventLoop,
     stop: Callable[[], object],
     cancel: Callable[[], object],
     grace_s: float = STOP_GRACE_S,
+    blocked_s: float = BLOCKED_LOOP_S,
 ) -> None:
     """SIGINT / SIGTERM: the first asks the run to stop after its step (`stop`); the second
     cancels it (`cancel`), and if the process is still alive `grace_s` later (an event loop
     blocked by user code or by a huge allocation never runs the cancellation), it exits with
-    130; a third exits at once.
+    130; a third exits at once. A first signal whose request the event loop has not taken
+    `blocked_s` later (code blocks the loop, so no step can end either) exits with 130 too.
 
     The handlers are plain signal handlers, which Python runs between bytecodes on the main
     thread even while the event loop is blocked; they only hand work to the loop
-    (`call_soon_threadsafe`), whose callbacks cannot run until it is free again."""
+    (`call_soon_threadsafe`), whose callbacks cannot run until it is free again. Exiting runs
+    the process's exit hooks (the run's status.json records why, its sockets and folders go)."""
     count = 0
 
     def now(reason: str) -> None:
         print(f"\n{reason}; exiting now (status 130)", file=sys.stderr)
+        from rollflow.rundir import exiting
+
+        exiting(reason)
         atexit._run_exitfuncs()  # remove the run's sockets and folders, as a normal exit does
         sys.stderr.flush()
         os._exit(130)
+
+    def after(seconds: float, reason: str, unless: threading.Event | None = None) -> None:
+        def fire() -> None:
+            if unless is None or not unless.is_set():
+                now(reason)
+
+        timer = threading.Timer(seconds, fire)
+        timer.daemon = True
+        timer.start()
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal count
@@ -129,13 +148,22 @@ def stop_on_signals(
         name = signal.Signals(signum).name
         if count == 1:
             print(f"\n{name}: stopping after the current step with a checkpoint (again to stop now)", file=sys.stderr)
-            loop.call_soon_threadsafe(stop)
+            taken = threading.Event()
+
+            def take() -> None:
+                taken.set()
+                stop()
+
+            loop.call_soon_threadsafe(take)
+            after(
+                blocked_s,
+                f"the event loop did not take the stop request within {blocked_s:g} s (code blocks it)",
+                taken,
+            )
         elif count == 2:
             print(f"\n{name}: stopping now", file=sys.stderr)
             loop.call_soon_threadsafe(cancel)
-            timer = threading.Timer(grace_s, now, args=(f"the run did not stop within {grace_s:g} s",))
-            timer.daemon = True
-            timer.start()
+            after(grace_s, f"the run did not stop within {grace_s:g} s")
         else:
             now(f"{name} a third time")
 
