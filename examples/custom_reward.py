@@ -32,12 +32,12 @@ async def main() -> None:
             'scoring.rewards=[{name="brevity", weight=0.5}, {name="has_digit", weight=1.0, timeout_s=5}]',
         ],
     )
-    result = await rollflow.train(
-        config, "runs/custom_reward", reward_funcs={"brevity": brevity, "has_digit": has_digit}
-    )
+    output_dir = rollflow.new_run_dir("custom_reward")  # runs/custom_reward-<date>-<time>, new each time
+    result = await rollflow.train(config, output_dir, reward_funcs={"brevity": brevity, "has_digit": has_digit})
     for row in result.metrics:
         parts = ", ".join(f"{name} {value['mean']:.3f}" for name, value in row["rewards"].items())
         print(f"step {row['step']}: reward {row['reward_mean']:.3f} ({parts}), unscorable {row['unscorable']}")
+    print(f"the run is in {output_dir}")
 
 
 if __name__ == "__main__":  # vLLM spawns processes: keep the guard

@@ -33,13 +33,15 @@ async def main(steps: int) -> None:
             "observe.sinks=[]",
         ],
     )
-    result = await rollflow.train(config, "runs/distill", reward_funcs={"none": no_reward})
+    output_dir = rollflow.new_run_dir("distill")  # runs/distill-<date>-<time>, new each time
+    result = await rollflow.train(config, output_dir, reward_funcs={"none": no_reward})
     kl = [row["teacher_kl"] for row in result.metrics]
     for row in result.metrics:
         print(f"step {row['step']}: teacher_kl {row['teacher_kl']:.3f}  tokens {row['tokens']}")
     quarter = max(len(kl) // 4, 1)
     early, late = sum(kl[:quarter]) / quarter, sum(kl[-quarter:]) / quarter
     print(f"teacher_kl: first {quarter} steps {early:.3f}, last {quarter} steps {late:.3f}")
+    print(f"the run is in {output_dir}")
 
 
 if __name__ == "__main__":  # vLLM spawns processes: keep the guard

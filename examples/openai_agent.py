@@ -81,13 +81,15 @@ async def main(preset: str) -> None:
     config = rollflow.load_config(
         preset=preset, overrides=["run.max_steps=4", "env.max_turns=3", "env.max_tokens=96"]
     )
-    result = await rollflow.train(config, f"runs/openai-agent-{preset}", agent=agent)
+    output_dir = rollflow.new_run_dir(f"openai-agent-{preset}")  # new each time
+    result = await rollflow.train(config, output_dir, agent=agent)
     for row in result.metrics:
         print(
             f"step {row['step']}: reward {row['reward_mean']:.3f}  calls per episode {row['turns_mean']:.2f}  "
             f"tokens {row['tokens']}  splits {row['agent_splits']}"
         )
     print(f"episodes {STATS['episodes']}, calls {STATS['calls']}, tool calls the model wrote {STATS['tool_calls']}")
+    print(f"the run is in {output_dir}")
 
 
 if __name__ == "__main__":  # vLLM spawns processes: keep the guard

@@ -31,10 +31,11 @@ async def main(url: str | None) -> None:
         overrides=["env.openenv=openenv_sums:SumsClient", *server, "env.max_turns=2", "env.max_tokens=64",
                    "run.max_steps=6", "observe.sinks=[]"],
     )
-    result = await rollflow.train(config, "runs/openenv", on_step=lambda m: print(
+    output_dir = rollflow.new_run_dir("openenv")  # runs/openenv-<date>-<time>, new each time
+    result = await rollflow.train(config, output_dir, on_step=lambda m: print(
         f"step {m['step'] + 1}: reward {m['reward_mean']:.3f}  turns {m['turns_mean']:.2f}"
     ))
-    print(f"{result.steps} steps, {result.trained_prompts} prompts trained, dropped {result.dropped}")
+    print(f"{result.steps} steps, {result.trained_prompts} prompts trained, dropped {result.dropped}; in {output_dir}")
 
 
 if __name__ == "__main__":  # vLLM spawns processes and uvicorn runs in its own: keep the guard

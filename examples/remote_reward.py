@@ -38,10 +38,11 @@ async def main() -> None:
                 f'scoring.rewards=[{{name="arith", url="http://127.0.0.1:{port}/score", timeout_s=5}}]',
             ],
         )
-        result = await rollflow.train(config, "runs/remote_reward")
+        output_dir = rollflow.new_run_dir("remote_reward")  # runs/remote_reward-<date>-<time>, new each time
+        result = await rollflow.train(config, output_dir)
     finally:
         await runner.cleanup()
-    print(f"trained prompts: {result.trained_prompts}, dropped: {result.dropped}")
+    print(f"trained prompts: {result.trained_prompts}, dropped: {result.dropped}; the run is in {output_dir}")
     for row in result.metrics:
         print(f"step {row['step']}: arith {row['rewards'].get('arith')}, unscorable {row['unscorable_by_reason']}")
 

@@ -50,12 +50,14 @@ async def main(name: str) -> None:
     env = None  # `retry`: the built-in, by name
     if name == "calculator":
         env = lambda: CountingCalculator(tools={"calculator": calculator}, tool_timeout_s=2.0)  # noqa: E731
-    result = await rollflow.train(config, f"runs/env-{name}", env=env)
+    output_dir = rollflow.new_run_dir(f"env-{name}")  # runs/env-<name>-<date>-<time>, new each time
+    result = await rollflow.train(config, output_dir, env=env)
     for row in result.metrics:
         reward, turns = row["reward_mean"], row["turns_mean"]
         print(f"step {row['step']}: reward {reward:.3f}  turns {turns:.2f}  tokens {row['tokens']}")
     if name == "calculator":
         print(f"tool calls written by the model: {TOOL_CALLS}")
+    print(f"the run is in {output_dir}")
 
 
 if __name__ == "__main__":  # vLLM spawns processes: keep the guard

@@ -31,11 +31,12 @@ async def main(env_id: str) -> None:
         preset="tiny",
         overrides=[f"env.verifiers={env_id}", "env.max_tokens=96", "run.max_steps=8", "observe.sinks=[]"],
     )
-    result = await rollflow.train(config, f"runs/verifiers-{env_id}", on_step=lambda m: print(
+    output_dir = rollflow.new_run_dir(f"verifiers-{env_id}")  # new each time
+    result = await rollflow.train(config, output_dir, on_step=lambda m: print(
         f"step {m['step'] + 1}: reward {m['reward_mean']:.3f}  turns {m['turns_mean']:.2f}  "
         f"unscorable {m['unscorable']}"
     ))
-    print(f"{result.steps} steps, {result.trained_prompts} prompts trained, dropped {result.dropped}")
+    print(f"{result.steps} steps, {result.trained_prompts} prompts trained, dropped {result.dropped}; in {output_dir}")
 
 
 if __name__ == "__main__":  # vLLM spawns processes: keep the guard

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from rollflow.ledger import summarize as audit_ledger
     from rollflow.models import resolve_model
     from rollflow.records import Batch, Group, Message, Prompt, Sample, SamplingSpec
+    from rollflow.rundir import new_run_dir
     from rollflow.sampler import Sampler
 
 # Imported now (it is light): the function `rollflow.rollout` must not be shadowed by its module.
@@ -66,6 +67,7 @@ _EXPORTS = {
     "UserInputError": ("rollflow.errors", "UserInputError"),
     "audit_ledger": ("rollflow.ledger", "summarize"),
     "load_config": ("rollflow.config", "load_config"),
+    "new_run_dir": ("rollflow.rundir", "new_run_dir"),
     "resolve_model": ("rollflow.models", "resolve_model"),
     "train": ("rollflow.controller", "train"),
 }
@@ -116,6 +118,7 @@ __all__ = [
     "__version__",
     "audit_ledger",
     "load_config",
+    "new_run_dir",
     "resolve_model",
     "rollout",
     "train",

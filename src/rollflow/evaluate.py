@@ -10,19 +10,22 @@ nothing and keeps no state between calls.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
-from rollflow.config import Config
+from rollflow.config import CONTEXT_CAP, Config
 from rollflow.engine import Engine
-from rollflow.errors import UserInputError
+from rollflow.errors import RequestRefused, UnusablePrompt, UserInputError
 from rollflow.records import Prompt, Sample, SamplingSpec
-from rollflow.rollout import rollout
+from rollflow.rollout import rollout, unusable
 from rollflow.scoring import Scored, Scorer, eval_scorer
 from rollflow.tasks import REASONING_GYM
+
+log = logging.getLogger(__name__)
 
 
 class EvalReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +44,9 @@ class EvalReport(msgspec.Struct, frozen=True, kw_only=True):
     unscorable: int = 0
     """Samples the reward could not score (counted as not correct), with `reasons` for them."""
     reasons: dict[str, int] = {}
+    dropped: dict[str, int] = {}
+    """Prompts not evaluated, by reason (too long for the context, refused by the engine), as
+    training drops them; `prompts` counts those evaluated."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,10 +72,26 @@ async def evaluate(
     scorer: Scorer,
     on_sample: Callable[[Sample], None] | None = None,
     num_examples: int = 3,
+    max_model_len: int | None = None,
 ) -> EvalReport:
     """Generate `samples_per_prompt` completions per prompt concurrently and score each prompt's
-    completions with `scorer` (an unscorable sample counts as not correct)."""
+    completions with `scorer` (an unscorable sample counts as not correct). A prompt that cannot
+    fit `max_model_len`, or that the engine refuses, is dropped with the reason, as in training."""
     began = time.monotonic()
+    dropped: dict[str, int] = {}
+
+    def drop(reason: str) -> None:
+        dropped[reason] = dropped.get(reason, 0) + 1
+
+    if max_model_len is not None:
+        fitting = []
+        for prompt in prompts:
+            reason = unusable(prompt, max_model_len)
+            if reason is None:
+                fitting.append(prompt)
+            else:
+                drop(reason)
+        prompts = fitting
 
     async def one(prompt: Prompt, index: int) -> Sample:
         sample = await rollout(engine, prompt, sampling, group_id=f"eval-{prompt.id}", index=index)
@@ -77,8 +99,12 @@ async def evaluate(
             on_sample(sample)
         return sample
 
-    async def group(prompt: Prompt) -> tuple[Prompt, list[str], list[Sample], list[Scored]]:
-        samples = await asyncio.gather(*(one(prompt, i) for i in range(samples_per_prompt)))
+    async def group(prompt: Prompt) -> tuple[Prompt, list[str], list[Sample], list[Scored]] | None:
+        try:
+            samples = await asyncio.gather(*(one(prompt, i) for i in range(samples_per_prompt)))
+        except RequestRefused as err:  # this prompt's, as in training
+            drop(f"engine error: {err}")
+            return None
         texts = [decode(s.completion_token_ids) for s in samples]
         return prompt, texts, samples, await scorer.score(prompt, texts, [s.completion_token_ids for s in samples])
 
@@ -90,7 +116,10 @@ async def evaluate(
     reasons: dict[str, int] = {}
     tokens = 0
     for task in tasks:
-        prompt, texts, samples, scored = task.result()
+        done = task.result()
+        if done is None:
+            continue
+        prompt, texts, samples, scored = done
         for text, sample, result in zip(texts, samples, scored, strict=True):
             reward = 0.0 if result.reward is None else result.reward
             if result.reason is not None:
@@ -102,7 +131,7 @@ async def evaluate(
                 examples.append((question, text, reward))
     flat = [r for rs in rewards.values() for r in rs]
     return EvalReport(
-        prompts=len(prompts),
+        prompts=len(rewards),
         samples=len(flat),
         accuracy=sum(flat) / len(flat) if flat else 0.0,
         pass_at_group=sum(max(rs) > 0 for rs in rewards.values()) / len(rewards) if rewards else 0.0,
@@ -111,11 +140,14 @@ async def evaluate(
         examples=examples,
         unscorable=sum(reasons.values()),
         reasons=reasons,
+        dropped=dropped,
     )
 
 
-def held_out_prompts(config: Config, tokenizer: Any, n: int) -> list[Prompt]:
-    """`n` prompts drawn with `run.eval_seed` (the same ones at every evaluation of a run)."""
+async def held_out_prompts(config: Config, tokenizer: Any, n: int) -> list[Prompt]:
+    """`n` prompts drawn with `run.eval_seed` (the same ones at every evaluation of a run); what is
+    slow to make (a reasoning-gym item) is made on a worker thread, and an item that cannot be
+    made is left out with a warning."""
     from rollflow.models import prompt_encoder
     from rollflow.sampler import HELD_OUT_ITEMS, Sampler
 
@@ -126,7 +158,13 @@ def held_out_prompts(config: Config, tokenizer: Any, n: int) -> list[Prompt]:
     held_out = Sampler(
         msgspec.structs.replace(config.data, seed=config.run.eval_seed), prompt_encoder(tokenizer, config.data)
     )
-    return [held_out.next() for _ in range(n)]
+    prompts = []
+    for _ in range(n):
+        try:
+            prompts.append(await held_out.draw())
+        except UnusablePrompt as err:
+            log.warning("held-out prompts: %s", err)
+    return prompts
 
 
 class HeldOut(msgspec.Struct, frozen=True, kw_only=True):
@@ -156,6 +194,9 @@ class HeldOut(msgspec.Struct, frozen=True, kw_only=True):
             reasons[reason] = reasons.get(reason, 0) + count
         if reasons:
             out["unscorable_reasons"] = reasons
+        if self.greedy.dropped:  # the same prompts are dropped from both
+            out["dropped"] = sum(self.greedy.dropped.values())
+            out["dropped_reasons"] = dict(self.greedy.dropped)
         return out
 
 
@@ -175,7 +216,7 @@ async def evaluate_held_out(
     if isinstance(prompts, list):
         chosen = prompts
     else:
-        chosen = held_out_prompts(config, tokenizer, config.run.eval_prompts if prompts is None else prompts)
+        chosen = await held_out_prompts(config, tokenizer, config.run.eval_prompts if prompts is None else prompts)
 
     def run(spec: SamplingSpec, k: int) -> Awaitable[EvalReport]:
         return evaluate(
@@ -186,6 +227,7 @@ async def evaluate_held_out(
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             scorer=scorer,
             on_sample=on_sample,
+            max_model_len=config.engine.max_model_len or CONTEXT_CAP,
         )
 
     greedy = await run(sampling_spec(config, greedy=True), 1)

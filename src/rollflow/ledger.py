@@ -143,7 +143,8 @@ def _how_it_ended(run_dir: Path, checkpoint: Path | None) -> tuple[str, bool]:
     resume = (
         f"`--resume` continues it from {checkpoint.name}"
         if checkpoint
-        else "no checkpoint: rerun the same command to start over"
+        else "no checkpoint: rerun the same command (with or without --resume) to start over; its logs so far are "
+        "kept in attempts/"
     )
     if status.state == "finished":
         return f"finished ({status.steps} steps)", True

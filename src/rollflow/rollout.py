@@ -30,6 +30,17 @@ MAX_INTERRUPTIONS = 64
 """A sample preempted more often than this is an error: updates are outpacing generation."""
 
 
+def unusable(prompt: Prompt, max_model_len: int) -> str | None:
+    """Why the engine would refuse `prompt` (no tokens, or no room to generate in its context of
+    `max_model_len` tokens), or None: training and evaluation drop such a prompt before it is sent."""
+    n = len(prompt.token_ids)
+    if n == 0:
+        return "prompt unusable: it has no tokens"
+    if n >= max_model_len:
+        return f"prompt too long: {n} tokens leave no room to generate in engine.max_model_len = {max_model_len}"
+    return None
+
+
 class PartialSample(msgspec.Struct, kw_only=True):
     """A sample's progress: tokens so far with their log-probs and versions, or the finished
     sample. What a checkpoint saves of a rollout in flight, and what a resumed one starts from."""

@@ -273,3 +273,37 @@ async def test_a_stop_request_ends_the_run_within_seconds_while_a_reward_call_ha
         assert list((tmp_path / "checkpoints").glob("step-*")), "no checkpoint of the work in flight"
     finally:
         release.set()
+
+
+KILLED_BEFORE_A_CHECKPOINT = """
+import asyncio, os, signal, sys
+from rollflow.config import load_config
+from rollflow.controller import Controller
+from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
+
+config = load_config(preset="tiny", overrides=["run.max_steps=6", "sampling.max_tokens=8", "observe.sinks=[]"])
+controller = Controller(config, sys.argv[1], engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
+                        tokenizer=FakeTokenizer())
+controller.on_step = lambda row: row["step"] == 1 and os.kill(os.getpid(), signal.SIGKILL)
+asyncio.run(controller.run())
+"""
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["rerun", "resume"])
+async def test_a_run_killed_before_its_first_checkpoint_gets_advice_that_works(tmp_path, resume):
+    """kill -9 after two steps and no checkpoint: the audit's advice (rerun it, with or without
+    --resume) works, starting the run over, and the killed attempt's logs are kept aside."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", KILLED_BEFORE_A_CHECKPOINT, str(out)], timeout=120)
+    assert killed.returncode == -9 and not (out / "checkpoints").exists()
+    advice = summarize(out).run
+    assert advice.startswith("crashed:") and "rerun the same command (with or without --resume)" in advice
+    config = load_config(preset="tiny", overrides=["run.max_steps=3", "sampling.max_tokens=8"])
+    result = await asyncio.wait_for(fake_controller(config, out, resume=resume).run(), 60)
+    assert result.steps == 3 and result.first_step == 0
+    assert summarize(out).ok and summarize(out).run == "finished (3 steps)"
+    (kept,) = (out / "attempts").iterdir()
+    assert len((kept / "metrics.jsonl").read_text().splitlines()) == 2  # the killed attempt's two steps

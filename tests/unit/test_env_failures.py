@@ -324,3 +324,86 @@ def test_a_task_config_that_can_make_no_item_or_no_prompt_that_fits_is_refused_a
     with pytest.raises(ConfigError, match=r"data.task_config: .*chain_sum' makes prompts of 7,0\d\d,\d\d\d characters"):
         check("chain_sum", "{min_terms = 1000000, max_terms = 1000000}")
     assert time.monotonic() - began < 30
+
+
+# ---- 18: a module that exits while it loads --------------------------------------------------------
+
+
+def test_a_module_that_calls_sys_exit_while_loading_is_refused_naming_the_field(tmp_path, monkeypatch):
+    from rollflow.envs import load_environment
+    from rollflow.errors import ConfigError
+
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"env.name: importing 'exits_at_import' called sys.exit\(0\)"):
+        load_environment("exits_at_import:Env")
+
+
+# ---- 19, 20: eval and generate score what a run trains, and drop what cannot fit -----------------
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_eval_and_generate_refuse_a_config_whose_samples_are_episodes(tmp_path, capsys, monkeypatch, command):
+    from rollflow.cli import main
+
+    monkeypatch.setenv("ROLLFLOW_NO_UVLOOP", "1")  # the command line's loop policy would outlive the test
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "config.json").write_text("{}")
+    (run / "config.toml").write_text('[env]\nverifiers = "vf-sums"\n')
+    began = time.monotonic()
+    assert main([command, "--run", str(run)]) == 2
+    assert "env.verifiers = 'vf-sums'" in capsys.readouterr().err
+    unreachable = ["--preset", "tiny", "--set", "env.openenv=openenv_sums:SumsClient",
+                   "--set", "env.openenv_url=http://127.0.0.1:9"]
+    assert main([command, *unreachable]) == 2
+    err = capsys.readouterr().err
+    assert "env.openenv = 'openenv_sums:SumsClient'" in err and "single-turn" in err
+    assert time.monotonic() - began < 10  # refused before any model or engine loads
+
+
+class RefusingEngine(FakeEngine):
+    """Refuses a prompt that leaves no room in its context, as vLLM does."""
+
+    async def stream(self, request_id, prompt_token_ids, sampling, *args, **kwargs):
+        from rollflow.errors import RequestRefused
+
+        if len(prompt_token_ids) >= 64:
+            raise RequestRefused(f"request {request_id}: the engine refused it: too long")
+        async for output in super().stream(request_id, prompt_token_ids, sampling, *args, **kwargs):
+            yield output
+
+
+async def test_eval_drops_held_out_prompts_too_long_for_the_context_and_says_how_many(tmp_path):
+    import json
+
+    from rollflow.evaluate import held_out_prompts, held_out_report
+    from rollflow.testing import FakeTokenizer
+
+    rows = [{"prompt": "x" * (200 if i % 3 == 0 else 5) + str(i), "answer": "1"} for i in range(9)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config(preset="tiny", overrides=['data.task="jsonl"', f'data.paths=["{data}"]',
+                                                   "engine.max_model_len=64", "run.reward=verifier"])
+    prompts = await held_out_prompts(config, FakeTokenizer(), 9)
+    report = await held_out_report(RefusingEngine(), config, FakeTokenizer(), prompts, 2)
+    assert report["prompts"] == 6 and report["dropped"] == 3
+    (reason,) = report["dropped_reasons"]
+    assert reason.startswith("prompt too long: 2") and "engine.max_model_len = 64" in reason
+
+
+# ---- 23: an example run again writes a new folder ------------------------------------------------
+
+
+def test_a_new_run_dir_is_new_each_time_and_every_training_example_uses_one(tmp_path, request):
+    import re
+
+    import rollflow
+
+    first, second = rollflow.new_run_dir("demo", tmp_path), rollflow.new_run_dir("demo", tmp_path)
+    assert first != second and first.is_dir() and second.is_dir()
+    assert re.fullmatch(r"demo-\d{8}-\d{6}(-\d+)?", second.name)
+    for example in sorted((request.config.rootpath / "examples").glob("*.py")):
+        text = example.read_text()
+        assert not re.search(r"rollflow\.train\(\s*config,\s*f?\"runs/", text), f"{example.name}: a fixed folder"

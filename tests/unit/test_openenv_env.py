@@ -178,3 +178,55 @@ def test_a_client_without_a_text_action_asks_for_a_function():
         text_action(GenericEnvClient)
     with pytest.raises(ConfigError, match="not an OpenEnv client"):
         OpenEnvSource(dict, url="http://127.0.0.1:1")
+
+
+KILLED = """
+import asyncio, sys, time
+sys.path.insert(0, sys.argv[1])
+import openenv_sums
+from rollflow.envs.openenv import OpenEnvSource
+
+async def main():
+    source = OpenEnvSource(openenv_sums.SumsClient, server="openenv_sums:app")
+    await source.start()
+    print(source.url, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+async def test_the_server_a_run_started_dies_with_it_even_on_sigkill(request):
+    """A run killed outright (SIGKILL, out of memory) runs no cleanup: the OpenEnv server it
+    started notices that its parent is gone and exits, as the vLLM engine does."""
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+
+    import aiohttp
+
+    folder = str(request.config.rootpath / "examples" / "environments")
+    run = subprocess.Popen([sys.executable, "-c", KILLED, folder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None
+        url = run.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:")
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{url}/health") as reply:
+                assert reply.status == 200
+            run.send_signal(signal.SIGKILL)
+            run.wait(10)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                try:
+                    async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=1)):
+                        pass
+                except (aiohttp.ClientError, TimeoutError):
+                    break  # nothing answers: the server is gone
+                await asyncio.sleep(0.2)
+            else:
+                pytest.fail(f"the server at {url} still answers 15 s after its run was killed")
+    finally:
+        run.kill()
+        run.wait()

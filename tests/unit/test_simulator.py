@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import statistics
 import time
 from collections import Counter
@@ -264,3 +265,37 @@ def test_a_saved_calibration_loads_and_simulate_says_how_far_to_trust_it(tmp_pat
     (tmp_path / "bad.json").write_text("{}")
     assert main(["simulate", "--profile", str(tmp_path / "bad.json")]) == 2
     assert "not a calibration saved by bench/simulator_validation.py" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda d: d["engine"].update(fixed_s="0.002"), r"engine.fixed_s: expected `float`, got `str`"),
+        (lambda d: d["engine"].update(step_table=[[1, 0.0], [32, 0.0]], fixed_s=0.0, per_seq_s=0.0),
+         r"engine.step_table\[0\]: .*and a positive time"),
+        (lambda d: d["trainer"].update(s_per_token=-1.0), r"trainer.s_per_token: expected 0 or more, got -1"),
+        (lambda d: d["trainer"].update(s_per_token=0.0, fixed_s=0.0),
+         r"trainer: a step takes no time \(s_per_token and fixed_s are 0\)"),
+        (lambda d: d.update(lengths=[20, "thirty"]), r"lengths\[1\]: expected `int`, got `str`"),
+        (lambda d: d["engine"].update(step_table=[[1, 0.002, 7]]),
+         r"engine.step_table\[0\]: expected `array` of length 2"),
+    ],
+    ids=["string-time", "zero-step-table", "negative-trainer-time", "no-trainer-time", "bad-length", "bad-entry"],
+)
+def test_a_calibration_file_is_checked_when_it_loads_naming_the_field(tmp_path, capsys, change, named):
+    from rollflow.sim.calibrate import Calibration
+
+    good = Calibration(
+        engine=EngineProfile(fixed_s=0.002, per_seq_s=1e-4, step_table=((1, 0.002), (32, 0.005))),
+        trainer=TrainerProfile(s_per_token=8e-5, fixed_s=0.1, weight_bytes=2 * 10**6, sync_bytes_per_s=1e9),
+        lengths=[20, 30], prompt_tokens=16, machine="m",
+    )
+    good.save(tmp_path / "profile.json")
+    data = json.loads((tmp_path / "profile.json").read_text())
+    change(data)
+    (tmp_path / "profile.json").write_text(json.dumps(data))
+    began = time.monotonic()
+    assert main(["simulate", "--profile", str(tmp_path / "profile.json"), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - began < 10
+    assert re.search(named, err), err

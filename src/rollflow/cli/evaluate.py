@@ -43,7 +43,7 @@ async def _eval(args: argparse.Namespace) -> int:
     config = model_config(args)
     check_source(config.data, config.engine.max_model_len or CONTEXT_CAP)
     model_path, tokenizer = prepared_model(config, console)
-    prompts = held_out_prompts(config, tokenizer, args.prompts)
+    prompts = await held_out_prompts(config, tokenizer, args.prompts)
     engine = await started_engine(config, model_path, console)
     try:
         with console.status("evaluating") as status:
@@ -51,6 +51,10 @@ async def _eval(args: argparse.Namespace) -> int:
             report = await held_out_report(engine, config, tokenizer, prompts, args.pass_k, on_sample=progress)
     finally:
         await engine.aclose()
+    if report.get("dropped"):
+        reasons = "; ".join(f"{reason} ×{n}" for reason, n in report["dropped_reasons"].items())
+        said = f"{report['dropped']} of {len(prompts)} held-out prompts were dropped: {reasons}"
+        console.print(said, highlight=False)
     text = json.dumps(report)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

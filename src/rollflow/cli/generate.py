@@ -8,7 +8,7 @@ from typing import Any
 
 from rollflow.cli.model import counting, model_config, prepared_model, started_engine
 from rollflow.cli.parser import add_model_args
-from rollflow.errors import UserInputError
+from rollflow.errors import UnusablePrompt, UserInputError
 
 NAME = "generate"
 ASYNC = True
@@ -43,7 +43,12 @@ async def _generate(args: argparse.Namespace) -> int:
     group = 1 if args.greedy else config.rollout.group_size
     model_path, tokenizer = prepared_model(config, console)
     sampler = Sampler(config.data, prompt_encoder(tokenizer, config.data))
-    prompts = [sampler.next() for _ in range(args.prompts)]
+    prompts = []
+    for _ in range(args.prompts):
+        try:
+            prompts.append(await sampler.draw())
+        except UnusablePrompt as err:
+            console.print(f"dropped {err}", highlight=False)
     engine = await started_engine(config, model_path, console)
     scorer = eval_scorer(config)
     try:
@@ -56,10 +61,13 @@ async def _generate(args: argparse.Namespace) -> int:
                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 scorer=scorer,
                 on_sample=counting(status, "generating", len(prompts) * group),
+                max_model_len=config.engine.max_model_len or CONTEXT_CAP,
             )
     finally:
         await scorer.aclose()
         await engine.aclose()
+    for reason, n in report.dropped.items():
+        console.print(f"dropped {n} of {len(prompts)} prompts: {reason}", highlight=False)
     for question, text, reward in report.examples:
         console.print(f"[bold]{question}[/bold] -> {text.strip()!r} reward={reward:g}", highlight=False)
     print(

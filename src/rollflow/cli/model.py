@@ -38,7 +38,16 @@ def model_config(args: argparse.Namespace) -> Any:  # -> Config
             model = str(final)
     if model is not None:
         overrides.append(f"model.path={json.dumps(str(model))}")
-    return load_config(config_file, preset=args.preset, overrides=overrides)
+    config = load_config(config_file, preset=args.preset, overrides=overrides)
+    sources = config.env.sources
+    if sources:  # its samples are episodes: single-turn prompts of data.task would be another task
+        key, value = next(iter(sources.items()))
+        raise UserInputError(
+            f"{args.command}: the config's samples are episodes (env.{key} = {value!r}); {args.command} samples "
+            f"single-turn prompts of data.task ({config.data.task!r}) and would score a task the run does not train "
+            "on. Leave [env] out to use it on the task alone"
+        )
+    return config
 
 
 def prepared_model(config: Any, console: Any) -> tuple[Path, Any]:

@@ -32,6 +32,7 @@ from rollflow.controller.trainer_thread import TrainerRunner
 from rollflow.errors import ConfigError, UserInputError
 from rollflow.ledger import LEDGER, truncate
 from rollflow.metrics import ConsoleSink, JsonlSink, LoopLag, MetricsSink, make_sinks
+from rollflow.rundir import STATUS, read_status
 from rollflow.trace import Trace
 
 log = logging.getLogger(__name__)
@@ -75,35 +76,50 @@ class Outputs:
             self.trace.write(self.output_dir / "trace.json")
 
 
+ATTEMPTS = "attempts"
+"""Where the logs of a run that ended without a checkpoint are kept when it is started over."""
+
+
 def prepare_output_dir(out: Path, config: Config, *, resume: bool) -> tuple[Path, RunState] | None:
     """Check `out` for a new or a resumed run; returns the checkpoint to resume from and its
-    state. On resume, the ledger and metrics are cut back to the checkpoint."""
+    state. On resume, the ledger and metrics are cut back to the checkpoint. A run here that
+    ended without a checkpoint and without finishing (killed before its first checkpoint, or
+    failed with checkpoints off; its status.json says so) cannot be continued: the same command,
+    with or without `--resume`, starts it over, its earlier logs kept under `attempts/N/`."""
     existing = [n for n in (METRICS, LEDGER) if (out / n).exists()]
     checkpoint = latest_checkpoint(out)
-    failed_early = checkpoint is None and bool(existing) and not _steps_logged(out)
-    if failed_early:
-        # The run here ended before its first step: nothing was trained, so it starts over.
-        log.warning("%s: the run here ended before its first step; starting it from the beginning", out)
-        for name in existing:
-            (out / name).unlink()
+    if checkpoint is None and existing:
+        status = read_status(out)
+        trained = _steps_logged(out)
+        if trained and (status is None or status.state == "finished"):  # finished, or not a run rollflow knows
+            raise UserInputError(
+                f"{out}: already holds a run ({', '.join(existing)}) with no checkpoint to continue from; "
+                "choose a new output directory"
+            )
+        if trained:
+            kept = _set_aside(out)
+            log.warning(
+                "%s: the run here ended after training without a checkpoint; starting it over (its logs "
+                "are kept in %s)",
+                out,
+                kept,
+            )
+        else:  # it ended before its first step: nothing was trained
+            log.warning("%s: the run here ended before its first step; starting it from the beginning", out)
+            for name in existing:
+                (out / name).unlink()
         existing = []
-    if not resume or failed_early:
+        resume = False
+    if not resume:
         if existing:
             raise UserInputError(
-                f"{out}: already holds a run ({', '.join(existing)}); "
-                + (
-                    "resume it with --resume"
-                    if checkpoint
-                    else "it trained steps but wrote no checkpoint, so it "
-                    "cannot be resumed; remove the directory to start over"
-                )
-                + " or choose a new output directory"
+                f"{out}: already holds a run ({', '.join(existing)}); resume it with --resume or choose a new "
+                "output directory"
             )
         out.mkdir(parents=True, exist_ok=True)
         return None
     if checkpoint is None:
-        why = " (the run trained steps but wrote none; remove the directory to start over)" if existing else ""
-        raise UserInputError(f"{out}: no checkpoint to resume from in {out / CHECKPOINTS}{why}; start without --resume")
+        raise UserInputError(f"{out}: no checkpoint to resume from in {out / CHECKPOINTS}; start without --resume")
     check_resumable(out / "config.toml", config)
     clean_temporary(out)
     state = read_state(checkpoint)
@@ -116,6 +132,19 @@ def prepare_output_dir(out: Path, config: Config, *, resume: bool) -> tuple[Path
     truncate(out / METRICS, state.metrics_bytes)
     log.info("resuming from %s (step %d)", checkpoint, state.step)
     return checkpoint, state
+
+
+def _set_aside(out: Path) -> Path:
+    """Move a run's logs (and its trace and status) into a new `attempts/N/`; returns it."""
+    attempts = out / ATTEMPTS
+    attempts.mkdir(exist_ok=True)
+    n = 1 + max((int(p.name) for p in attempts.iterdir() if p.name.isdigit()), default=0)
+    kept = attempts / str(n)
+    kept.mkdir()
+    for name in (METRICS, LEDGER, "trace.json", "config.toml", STATUS):
+        if (out / name).exists():
+            (out / name).rename(kept / name)
+    return kept
 
 
 def _steps_logged(out: Path) -> bool:

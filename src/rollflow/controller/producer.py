@@ -30,7 +30,7 @@ from rollflow.controller.supervisor import Supervisor
 from rollflow.envs import ChatFormat, EnvFactory, EpisodeLimits, open_environment, run_episode
 from rollflow.errors import EngineDeadError, EngineError, UnusablePrompt
 from rollflow.records import Prompt, Sample, SamplingSpec
-from rollflow.rollout import PartialSample, Progress, rollout
+from rollflow.rollout import PartialSample, Progress, rollout, unusable
 from rollflow.sampler import Sampler
 from rollflow.scoring import Scorer
 from rollflow.trace import Trace
@@ -127,7 +127,7 @@ class Producer(GroupScoring):
             except UnusablePrompt as err:
                 await self._refuse(err.prompt_id, err.reason)
                 continue
-            if (reason := self._unusable(prompt)) is not None:
+            if (reason := unusable(prompt, self.config.engine.max_model_len)) is not None:
                 await self._refuse(prompt.id, reason)
                 continue
             self.consumed.append(prompt.id)
@@ -142,15 +142,6 @@ class Producer(GroupScoring):
         self.stall.failed(reason)
         await self.admission.release(self.config.rollout.group_size)
         await asyncio.sleep(0)  # nothing above may wait: let the rest of the run see the drop
-
-    def _unusable(self, prompt: Prompt) -> str | None:
-        """Why the engine would refuse this prompt, or None."""
-        n, context = len(prompt.token_ids), self.config.engine.max_model_len
-        if n == 0:
-            return "prompt unusable: it has no tokens"
-        if n >= context:
-            return f"prompt too long: {n} tokens leave no room to generate in engine.max_model_len = {context}"
-        return None
 
     def _launch(self, tg: asyncio.TaskGroup, prompt: Prompt, group_id: str, start: list[PartialSample]) -> None:
         if self._generating == 0:

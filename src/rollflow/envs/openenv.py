@@ -3,7 +3,8 @@
 Each episode holds a session through the environment's own OpenEnv client (an `EnvClient`
 subclass, WebSocket) with the server at `env.openenv_url`, or at a server rollflow starts itself
 from a local environment module (`env.openenv_server = "module:app"`, the ASGI app OpenEnv's
-`create_app` makes, served by uvicorn on 127.0.0.1, importing what this process can import); a
+`create_app` makes, served by uvicorn on 127.0.0.1, importing what this process can import, and
+exiting when this process is gone, however it ends: `serve_app.py`); a
 session whose episode ended cleanly is kept and reset for the next episode. `reset(seed=...)`
 opens the episode (the seed comes from the prompt's id, so a group's samples meet the same
 instance); each model turn becomes an action, `step(action)`'s observation the next user
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rollflow.envs import EnvStep, Served, Turn
@@ -48,6 +50,9 @@ START_TIMEOUT_S = 60.0
 
 STOP_TIMEOUT_S = 5.0
 """How long a started server has to exit after SIGTERM before it is killed."""
+
+SERVE = Path(__file__).with_name("serve_app.py")
+"""The script a started server runs (uvicorn, exiting when this process is gone)."""
 
 ToAction = Callable[[str], Any]
 ToText = Callable[[Any], str]
@@ -188,8 +193,8 @@ class OpenEnvSource(Served):
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - the server writes to it until aclose
         self._process = await asyncio.create_subprocess_exec(
             sys.executable,
-            "-m",
-            "uvicorn",
+            "-P",
+            str(SERVE),
             self.server,
             "--host",
             host,

@@ -145,6 +145,8 @@ def load_function(spec: str, field: str) -> RewardFunc:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigError(f"{field}: cannot import module {module_name!r} ({err})") from None
+    except SystemExit as err:  # a module that exits while loading must not end the run silently
+        raise ConfigError(f"{field}: importing {module_name!r} called sys.exit({err.code!r})") from None
     func = getattr(module, attribute, None)
     if not callable(func):
         raise ConfigError(f"{field}: {module_name!r} has no function {attribute!r}")

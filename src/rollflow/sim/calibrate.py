@@ -14,11 +14,15 @@ loaded as JSON. This module runs nothing; `bench/simulator_validation.py` measur
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from rollflow.sim.components import EngineProfile, TrainerProfile
 from rollflow.trainer.batches import Layout
@@ -196,15 +200,59 @@ class Calibration:
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
+        """The calibration in `path`, checked: every field of its type, every time and rate one
+        a simulation can use (ValueError naming the field otherwise)."""
+        where = f"--profile {path}"
         try:
             data = json.loads(Path(path).read_text())
-            engine = data.pop("engine")
-            engine["step_table"] = tuple(tuple(row) for row in engine.get("step_table", ()))
-            return cls(engine=EngineProfile(**engine), trainer=TrainerProfile(**data.pop("trainer")), **data)
-        except (OSError, ValueError, TypeError, KeyError) as err:
-            raise ValueError(
-                f"--profile {path}: not a calibration saved by bench/simulator_validation.py ({err})"
-            ) from None
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{where}: not a calibration saved by bench/simulator_validation.py ({err})") from None
+        not_one = f"{where}: not a calibration saved by bench/simulator_validation.py"
+        try:
+            calibration = msgspec.convert(data, cls, strict=True)
+        except msgspec.ValidationError as err:
+            text = str(err)
+            found = re.search(r" - at `\$\.?(.*)`$", text)
+            if found is None:
+                raise ValueError(f"{not_one} ({text})") from None
+            what = text[: found.start()]
+            what = what[0].lower() + what[1:] if what else what
+            raise ValueError(f"{where}: {found.group(1) or 'the file'}: {what}") from None
+        problem = calibration.problem()
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
+        return calibration
+
+    def problem(self) -> str | None:
+        """Why a simulation cannot use this calibration (a negative, infinite or missing time), or None."""
+        engine, trainer = self.engine, self.trainer
+        for name in ("fixed_s", "per_seq_s", "per_context_token_s", "prefill_per_token_s"):
+            if not 0 <= getattr(engine, name) < math.inf:
+                return f"engine.{name}: expected 0 or more, got {getattr(engine, name)}"
+        for i, (batch, seconds) in enumerate(engine.step_table):
+            if batch < 1 or not 0 < seconds < math.inf:
+                return f"engine.step_table[{i}]: [{batch}, {seconds}]: expected a batch >= 1 and a positive time"
+        if not engine.step_table and engine.fixed_s + engine.per_seq_s <= 0:
+            return "engine: a decode step takes no time (fixed_s and per_seq_s are 0, and no step_table)"
+        if engine.max_num_seqs < 1 or not 0 < engine.contended < math.inf:
+            got = f"{engine.max_num_seqs}, {engine.contended}"
+            return f"engine: expected max_num_seqs >= 1 and contended > 0, got {got}"
+        for name in ("s_per_token", "fixed_s", "sync_fixed_s"):
+            if not 0 <= getattr(trainer, name) < math.inf:
+                return f"trainer.{name}: expected 0 or more, got {getattr(trainer, name)}"
+        if trainer.s_per_token == 0 and trainer.fixed_s == 0:
+            return "trainer: a step takes no time (s_per_token and fixed_s are 0)"
+        for name in ("stage_bytes_per_s", "sync_bytes_per_s", "contended"):
+            if not getattr(trainer, name) > 0:
+                return f"trainer.{name}: expected a positive number, got {getattr(trainer, name)}"
+        if trainer.weight_bytes < 0 or trainer.micro_batch_tokens < 1:
+            return "trainer: expected weight_bytes >= 0 and micro_batch_tokens >= 1"
+        for i, length in enumerate(self.lengths):
+            if length < 1:
+                return f"lengths[{i}]: expected a positive number of tokens, got {length}"
+        if self.prompt_tokens < 0:
+            return f"prompt_tokens: expected 0 or more, got {self.prompt_tokens}"
+        return None
 
 
 PLANNING = (
