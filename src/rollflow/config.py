@@ -531,7 +531,8 @@ class RewardConfig(_Section, frozen=True):
     """Weight of this reward in the sample's total reward (the weighted sum)."""
 
     timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
-    """Per call (a group's completions); past it every sample of the call is unscorable."""
+    """Per call (a group's completions); past it every sample of the call is unscorable. Not
+    for `math_verify`, which bounds each completion's judgement itself."""
 
     max_retries: NonNegInt = 3
     """Remote only: retries after a timeout, a connection error, a 5xx or a 429 (never after a
