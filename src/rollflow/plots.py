@@ -110,14 +110,17 @@ def _summary_title(run: dict[str, Any]) -> str:
 
 
 def _max_lag(run: dict[str, Any]) -> int | None:
+    """The run's `run.max_lag`, read through the config loader (a setting left out is its
+    default); None without a readable config.toml."""
     config = run["dir"] / "config.toml"
     if not config.is_file():
         return None
-    import tomllib
+    from rollflow.config import load_config
+    from rollflow.errors import ConfigError
 
     try:
-        return int(tomllib.loads(config.read_text())["run"]["max_lag"])
-    except (KeyError, ValueError, tomllib.TOMLDecodeError):
+        return load_config(config).run.max_lag
+    except ConfigError:
         return None
 
 

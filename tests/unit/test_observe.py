@@ -218,6 +218,16 @@ async def test_fake_run_trace_plot_and_report(tmp_path, run_fake):
     assert f"{result.trained_prompts} trained" in text and "0 duplicates" in text
 
 
+async def test_a_run_whose_config_leaves_max_lag_at_its_default_reports_the_default(tmp_path, run_fake):
+    """The report reads the run's config through the config loader: a config.toml without
+    run.max_lag (a hand-written one, or an older run's) means the default, not "None"."""
+    from rollflow.config import RunConfig
+
+    await run_fake(tmp_path / "run", FakeEngine(token_delay=0.001), FakeTrainer(), max_lag=1, max_steps=2)
+    (tmp_path / "run" / "config.toml").write_text('[run]\nmax_steps = 2\n')
+    assert f"2 (max_lag {RunConfig().max_lag})" in report(tmp_path / "run")
+
+
 async def test_evaluations_during_training_get_a_chart_and_a_report_line(tmp_path, run_fake):
     await run_fake(tmp_path / "run", FakeEngine(token_delay=0.001), FakeTrainer(), max_lag=1, max_steps=4)
     metrics_file = tmp_path / "run" / "metrics.jsonl"
