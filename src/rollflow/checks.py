@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rollflow.config import CONTEXT_CAP, Config
 from rollflow.errors import ConfigError
+from rollflow.tasks import Task, parse_task
 
 
 def check_training(config: Config) -> None:
@@ -104,7 +105,7 @@ def training_problems(config: Config, memory_bytes: int | None = None) -> list[s
     problem = context_problem(config.sampling.max_tokens, engine.max_model_len or CONTEXT_CAP, said)
     if problem:
         problems.append(problem)
-    if config.data.paths and config.data.task != "jsonl":
+    if config.data.paths and _kind(config) not in ("files", None):
         problems.append(
             f'data.paths: files are read only by data.task = "jsonl" (any dataset file), but the task is '
             f'{config.data.task!r}; set data.task = "jsonl" or remove data.paths'
@@ -133,6 +134,48 @@ def training_problems(config: Config, memory_bytes: int | None = None) -> list[s
     if config.run.weight_transport == "nccl" and engine.weight_transfer != "nccl":
         problems.append('run.weight_transport: "nccl" needs the engine started with engine.weight_transfer = "nccl"')
     return problems
+
+
+def _kind(config: Config) -> str | None:
+    """The kind of `data.task` (None: not a task, which `check_task` reports)."""
+    try:
+        return parse_task(config.data).kind
+    except ConfigError:
+        return None
+
+
+CHARS_PER_TOKEN_MAX = 32
+"""More characters than any tokenizer puts in one token on average: a prompt longer than this
+many characters per token of the context cannot fit it, whatever the tokenizer."""
+
+
+def check_task(config: Config) -> Task:
+    """The run's task (`data.task` parsed), refused now, before anything heavy starts, when it
+    names no task, when `data.task_config` is given to a task that does not read it, when a
+    reasoning-gym dataset refuses its settings or can make no item with them, or when its first
+    prompt cannot fit the context by its length alone. Every command that makes prompts calls it."""
+    data = config.data
+    task = parse_task(data)
+    if data.task_config and task.kind != "reasoning_gym":
+        raise ConfigError(
+            'data.task_config: only read by reasoning-gym tasks (data.task = "reasoning_gym:NAME"), '
+            f"but the task is {data.task!r}"
+        )
+    source = task.problems()
+    if source is None:
+        return task
+    try:
+        question = source(data.seed, 0).question
+    except Exception:  # this item's problem: the run drops its prompt with the reason
+        return task
+    context = config.engine.max_model_len or CONTEXT_CAP
+    if len(question) > context * CHARS_PER_TOKEN_MAX:
+        field = "data.task_config" if task.kind == "reasoning_gym" else "data.task"
+        raise ConfigError(
+            f"{field}: {data.task!r} makes prompts of {len(question):,} characters (its first), more than a "
+            f"context of {context:,} tokens (engine.max_model_len) can hold; make its problems smaller"
+        )
+    return task
 
 
 def episode_problems(config: Config) -> list[str]:

@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from rollflow.errors import ConfigError
-from rollflow.tasks import REASONING_GYM, check_task
 
 PartialMode = Literal["keep", "resume", "restart"]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -795,15 +794,6 @@ def config_from_dict(data: dict[str, Any], *, source: str = "config") -> Config:
             '(set it to run.max_steps, or use schedule = "constant")'
         )
     data_cfg = config.data
-    try:
-        check_task(data_cfg.task)
-    except ConfigError as err:
-        raise ConfigError(f"{source}: {err}") from None
-    if data_cfg.task_config and not data_cfg.task.startswith(REASONING_GYM):
-        raise ConfigError(
-            f'{source}: data.task_config: only read by reasoning-gym tasks (data.task = "reasoning_gym:NAME"), '
-            f"but the task is {data_cfg.task!r}"
-        )
     for column, target in data_cfg.columns.items():
         if target not in ("prompt", "messages", "answer", "id", "task"):
             raise ConfigError(

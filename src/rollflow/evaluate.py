@@ -23,7 +23,7 @@ from rollflow.errors import RequestRefused, UnusablePrompt, UserInputError
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout, unusable
 from rollflow.scoring import Scored, Scorer, eval_scorer
-from rollflow.tasks import REASONING_GYM
+from rollflow.tasks import parse_task
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +149,17 @@ async def held_out_prompts(config: Config, tokenizer: Any, n: int) -> list[Promp
     slow to make (a reasoning-gym item) is made on a worker thread, and an item that cannot be
     made is left out with a warning."""
     from rollflow.models import prompt_encoder
-    from rollflow.sampler import HELD_OUT_ITEMS, Sampler
+    from rollflow.sampler import Sampler
 
-    if config.data.task.startswith(REASONING_GYM) and n > HELD_OUT_ITEMS:
+    task = parse_task(config.data)
+    if task.held_out_items and n > task.held_out_items:
         raise UserInputError(
-            f"held-out prompts: at most {HELD_OUT_ITEMS:,} of a reasoning-gym task are held out, not {n:,}"
+            f"held-out prompts: at most {task.held_out_items:,} of {task.name!r} are held out, not {n:,}"
         )
     held_out = Sampler(
-        msgspec.structs.replace(config.data, seed=config.run.eval_seed), prompt_encoder(tokenizer, config.data)
+        msgspec.structs.replace(config.data, seed=config.run.eval_seed),
+        prompt_encoder(tokenizer, config.data),
+        task=task,
     )
     prompts = []
     for _ in range(n):

@@ -6,8 +6,8 @@ remembers where it is (`state_dict` / `load_state_dict`), so a resumed run conti
 next prompt, never repeating or skipping one. Every prompt has a stable id:
 `<task>-<seed>-<index>` for procedural tasks, the row's `id` or `<file>:<line or row>` for
 files. All rows are validated when the sampler is built, so a bad row fails the run before any
-work starts. A training sampler of a reasoning-gym task skips the items held out for
-evaluation (`held_out_seed`), so the two never share a problem. The sampler does not score,
+work starts. A training sampler of a task that holds items out for evaluation (a reasoning-gym
+dataset) skips them (`held_out_seed`), so the two never share a problem. The sampler does not score,
 batch or track what was trained.
 """
 
@@ -21,18 +21,12 @@ from rollflow.config import DataConfig
 from rollflow.data_files import ROLES, Row, read_rows
 from rollflow.errors import DataError, UnusablePrompt
 from rollflow.records import Message, Prompt
-from rollflow.tasks import REASONING_GYM, problem_source
+from rollflow.tasks import Task, parse_task
 
-__all__ = ["HELD_OUT_ITEMS", "ROLES", "Encode", "Sampler", "read_jsonl"]
+__all__ = ["ROLES", "Encode", "Sampler", "read_jsonl"]
 
 Encode = Callable[[list[Message]], list[int]]
 """Chat messages -> prompt token ids (the model's chat template with a generation prompt)."""
-
-
-HELD_OUT_ITEMS = 100_000
-"""Items of a reasoning-gym stream, from `run.eval_seed` on, that are held out for evaluation:
-the held-out prompts are items `eval_seed`, `eval_seed + 1`, ... of the dataset (reasoning-gym
-makes item i of seed s from s + i), and a training stream skips every item in that window."""
 
 
 def read_jsonl(paths: list[str]) -> list[Row]:
@@ -44,20 +38,28 @@ class Sampler:
     """An endless, seeded stream of prompts that can be checkpointed and resumed."""
 
     def __init__(
-        self, config: DataConfig, encode: Encode, *, rows: list[Row] | None = None, held_out_seed: int | None = None
+        self,
+        config: DataConfig,
+        encode: Encode,
+        *,
+        task: Task | None = None,
+        rows: list[Row] | None = None,
+        held_out_seed: int | None = None,
     ) -> None:
-        """`rows`: the prompts' rows, given instead of read from `config` (an environment's own
-        dataset). `held_out_seed`: a reasoning-gym training stream skips the items held out for
-        evaluation from that seed (`HELD_OUT_ITEMS`)."""
+        """`task`: `data.task` parsed (default: parsed here). `rows`: the prompts' rows, given
+        instead of read from `config` (an environment's own dataset). `held_out_seed`: a training
+        stream skips the items its task holds out for evaluation from that seed."""
         self._config = config
         self._encode = encode
-        if rows is None and config.task == "jsonl":
+        task = task or parse_task(config)
+        if rows is None and task.kind == "files":
             rows = read_rows(config.paths, config.columns, config.split)
         self._rows = rows
-        self._source = problem_source(config) if rows is None else None
+        self._source = task.problems() if rows is None else None
         self._skip: range | None = None
-        if held_out_seed is not None and config.task.startswith(REASONING_GYM):
-            self._skip = range(held_out_seed - config.seed, held_out_seed - config.seed + HELD_OUT_ITEMS)
+        if held_out_seed is not None and task.held_out_items:
+            start = held_out_seed - config.seed
+            self._skip = range(start, start + task.held_out_items)
         if config.template == "raw":
             for row in self._rows or []:
                 if [m.role for m in row.messages] != ["user"]:

@@ -90,6 +90,7 @@ async def test_one_raising_reasoning_gym_score_makes_only_its_sample_unscorable(
     from rollflow.config import DataConfig
     from rollflow.sampler import Sampler
     from rollflow.scoring import builtin_reward
+    from rollflow.tasks import parse_task
     from rollflow.tasks.reasoning_gym import task_for
 
     settings = {"min_terms": 2, "max_terms": 2, "max_digits": 1}
@@ -108,7 +109,7 @@ async def test_one_raising_reasoning_gym_score_makes_only_its_sample_unscorable(
         return real(self, answer, entry)
 
     monkeypatch.setattr(type(dataset), "score_answer", fussy)
-    scorer = Scorer([builtin_reward("verifier", prompt.task)])
+    scorer = Scorer([builtin_reward("verifier", parse_task(config))])
     try:
         scored = await scorer.score(prompt, [prompt.answer, "666", "777", "888", "1000"], [[1]] * 5)
     finally:
@@ -310,13 +311,12 @@ async def test_an_item_that_cannot_be_made_drops_its_prompt_with_the_reason(tmp_
 
 
 def test_a_task_config_that_can_make_no_item_or_no_prompt_that_fits_is_refused_at_load():
+    from rollflow.checks import check_task
     from rollflow.errors import ConfigError
-    from rollflow.tasks import check_source
 
     def check(task, settings):
         overrides = [f'data.task="reasoning_gym:{task}"', f"data.task_config={settings}"]
-        config = load_config(preset="tiny", overrides=overrides)
-        check_source(config.data, config.engine.max_model_len or 1024)
+        check_task(load_config(preset="tiny", overrides=overrides))
 
     with pytest.raises(ConfigError, match=r"data.task_config: reasoning-gym's 'spell_backward' cannot make an item"):
         check("spell_backward", "{min_word_len = 100, max_word_len = 200}")

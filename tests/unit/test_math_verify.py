@@ -86,8 +86,7 @@ async def test_under_load_a_group_waits_for_workers_without_timing_out(monkeypat
     from rollflow.scoring import math_verify
 
     monkeypatch.setattr(math_verify, "WORKERS", 1)
-    rewards = make_rewards(ScoringConfig(rewards=[RewardConfig(name="math_verify", timeout_s=0.5)]), "verifier",
-                           task="jsonl")
+    rewards = make_rewards(ScoringConfig(rewards=[RewardConfig(name="math_verify", timeout_s=0.5)]), "verifier")
     scorer = Scorer(rewards)
     prompt = Prompt(id="p", token_ids=[1], answer="\\frac{3}{4}")
     completions = ["$0.75$", "$3/5$", "\\boxed{\\frac{6}{8}}", "no", "1", "2", "3", "$\\frac{3}{4}$"]
@@ -132,7 +131,7 @@ async def test_reference_answers_that_are_words_are_unscorable_not_zero(judge):
 
 
 async def test_the_configured_reward_reports_reasons_per_sample():
-    rewards = make_rewards(ScoringConfig(rewards=[RewardConfig(name="math_verify")]), "verifier", task="jsonl")
+    rewards = make_rewards(ScoringConfig(rewards=[RewardConfig(name="math_verify")]), "verifier")
     scorer = Scorer(rewards)
     prompt = Prompt(id="p", token_ids=[1], answer="\\frac{3}{4}")
     try:

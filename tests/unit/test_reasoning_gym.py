@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import reasoning_gym
 
-from rollflow.config import DataConfig, load_config
+from rollflow.checks import check_task
+from rollflow.config import Config, DataConfig, load_config
 from rollflow.errors import ConfigError
 from rollflow.records import Message
-from rollflow.sampler import HELD_OUT_ITEMS, Sampler
+from rollflow.sampler import Sampler
 from rollflow.scoring import Scorer, builtin_reward
-from rollflow.tasks import check_source, verify
-from rollflow.tasks.reasoning_gym import CHUNK, extract_answer, task_for
+from rollflow.tasks import parse_task, verify
+from rollflow.tasks.reasoning_gym import CHUNK, HELD_OUT_ITEMS, extract_answer, task_for
 
 SETTINGS = {"min_terms": 2, "max_terms": 2, "max_digits": 1}
 
@@ -85,7 +86,7 @@ async def test_a_scorer_that_raises_or_returns_garbage_makes_the_sample_unscorab
     prompt = sampler(answer_from="last_number").next()
     source = task_for(prompt.task, SETTINGS, "last_number")
     dataset = source._dataset(0)
-    scorer = Scorer([builtin_reward("verifier", prompt.task)])
+    scorer = Scorer([builtin_reward("verifier", parse_task(DataConfig(task=prompt.task)))])
     try:
         monkeypatch.setattr(type(dataset), "score_answer", lambda self, answer, entry: "high")
         (bad,) = await scorer.score(prompt, ["7"], [[1]])
@@ -99,21 +100,22 @@ async def test_a_scorer_that_raises_or_returns_garbage_makes_the_sample_unscorab
 
 def test_unknown_names_and_settings_are_refused_naming_what_was_meant():
     with pytest.raises(ConfigError, match=r"no dataset 'chain_sun'; did you mean 'reasoning_gym:chain_sum'"):
-        check_source(DataConfig(task="reasoning_gym:chain_sun"))
+        check_task(Config(data=DataConfig(task="reasoning_gym:chain_sun")))
     with pytest.raises(ConfigError, match=r"data.task_config.max_term: reasoning-gym's 'chain_sum' has no setting"):
-        check_source(DataConfig(task="reasoning_gym:chain_sum", task_config={"max_term": 3}))
+        check_task(Config(data=DataConfig(task="reasoning_gym:chain_sum", task_config={"max_term": 3})))
     with pytest.raises(ConfigError, match=r"data.task_config.seed: rollflow sets the dataset's seed itself"):
-        check_source(DataConfig(task="reasoning_gym:chain_sum", task_config={"seed": 3}))
+        check_task(Config(data=DataConfig(task="reasoning_gym:chain_sum", task_config={"seed": 3})))
     with pytest.raises(ConfigError, match=r"refuses .*max_terms must be >= min_terms"):
-        check_source(DataConfig(task="reasoning_gym:chain_sum", task_config={"min_terms": 4, "max_terms": 2}))
+        backwards = {"min_terms": 4, "max_terms": 2}
+        check_task(Config(data=DataConfig(task="reasoning_gym:chain_sum", task_config=backwards)))
     with pytest.raises(ConfigError, match=r"data.task: 'aritmetic' is not a task; did you mean 'arithmetic'"):
-        load_config(overrides=["data.task=aritmetic"])
+        check_task(load_config(overrides=["data.task=aritmetic"]))
     with pytest.raises(ConfigError, match=r"data.task_config: only read by reasoning-gym tasks"):
-        load_config(overrides=["data.task_config={a = 1}"])
+        check_task(load_config(overrides=["data.task_config={a = 1}"]))
 
 
 def test_the_reasoning_preset_trains_smollm2_on_a_reasoning_gym_task():
     config = load_config(preset="reasoning")
     assert config.model.path == "smollm2-135m-instruct" and config.data.task.startswith("reasoning_gym:")
-    check_source(config.data)
+    check_task(config)
     assert config.run.eval_prompts > 0 and config.run.eval_pass_k > 0

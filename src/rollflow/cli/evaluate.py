@@ -31,9 +31,8 @@ def run(args: argparse.Namespace) -> int:
 async def _eval(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rollflow.config import CONTEXT_CAP
+    from rollflow.checks import check_task
     from rollflow.evaluate import held_out_prompts, held_out_report
-    from rollflow.tasks import check_source
 
     if args.prompts <= 0:
         raise UserInputError(f"--prompts: expected a positive number, got {args.prompts}")
@@ -41,7 +40,7 @@ async def _eval(args: argparse.Namespace) -> int:
         raise UserInputError(f"--pass-k: expected 0 or more samples per prompt, got {args.pass_k}")
     console = Console(stderr=True)
     config = model_config(args)
-    check_source(config.data, config.engine.max_model_len or CONTEXT_CAP)
+    check_task(config)
     model_path, tokenizer = prepared_model(config, console)
     prompts = await held_out_prompts(config, tokenizer, args.prompts)
     engine = await started_engine(config, model_path, console)

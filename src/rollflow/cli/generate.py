@@ -28,21 +28,21 @@ def run(args: argparse.Namespace) -> int:
 async def _generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from rollflow.checks import check_task
     from rollflow.config import CONTEXT_CAP
     from rollflow.evaluate import evaluate, sampling_spec
     from rollflow.models import prompt_encoder
     from rollflow.sampler import Sampler
     from rollflow.scoring import eval_scorer
-    from rollflow.tasks import check_source
 
     if args.prompts <= 0:
         raise UserInputError(f"--prompts: expected a positive number, got {args.prompts}")
     console = Console(stderr=True)
     config = model_config(args)
-    check_source(config.data, config.engine.max_model_len or CONTEXT_CAP)
+    task = check_task(config)
     group = 1 if args.greedy else config.rollout.group_size
     model_path, tokenizer = prepared_model(config, console)
-    sampler = Sampler(config.data, prompt_encoder(tokenizer, config.data))
+    sampler = Sampler(config.data, prompt_encoder(tokenizer, config.data), task=task)
     prompts = []
     for _ in range(args.prompts):
         try:

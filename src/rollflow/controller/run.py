@@ -19,8 +19,8 @@ from typing import Any
 from rollflow.agent import Agent, PromptSource, agent_source
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState
-from rollflow.checks import check_training
-from rollflow.config import CONTEXT_CAP, Config, dump_config
+from rollflow.checks import check_task, check_training
+from rollflow.config import Config, dump_config
 from rollflow.controller.accounting import Accounting
 from rollflow.controller.persistence import Checkpointer, Outputs, prepare_output_dir
 from rollflow.controller.producer import Producer
@@ -38,7 +38,6 @@ from rollflow.envs import EnvFactory, Served, environment_source
 from rollflow.evaluate import HeldOut, evaluate_held_out, sampling_spec
 from rollflow.rundir import OwnedRun
 from rollflow.scoring import RewardFunc, Scorer, eval_scorer, make_rewards
-from rollflow.tasks import check_source
 from rollflow.trace import Trace
 from rollflow.trainer import TrainerBackend
 from rollflow.weight_sync import WeightTransport
@@ -99,8 +98,8 @@ class Controller(Snapshots):
         run's OpenAI-compatible endpoint (default: the function `env.agent` names)."""
         check_training(config)
         check_engines(config)
-        if agent is None and not config.env.verifiers:  # a verifiers environment brings its own prompts
-            check_source(config.data, config.engine.max_model_len or CONTEXT_CAP)
+        self.task = check_task(config)
+        """`data.task`, parsed and checked (a verifiers environment brings its own prompts)."""
         self.config = config
         self.output_dir = Path(output_dir)
         self.on_step = on_step
@@ -114,7 +113,7 @@ class Controller(Snapshots):
         self.agent = agent if agent is not None else agent_source(config.env)
         """Runs each episode against the run's OpenAI-compatible endpoint (`rollflow.agent`)."""
         episodes = self.env is not None or self.agent is not None
-        rewards = make_rewards(config.scoring, config.run.reward, reward_funcs, env=episodes, task=config.data.task)
+        rewards = make_rewards(config.scoring, config.run.reward, reward_funcs, env=episodes, task=self.task)
         self.scorer = Scorer(rewards, max_concurrency=config.scoring.max_concurrency)
         """Every training reward, run on whole groups beside generation."""
         self.eval_scorer = eval_scorer(config)
@@ -280,7 +279,11 @@ class Controller(Snapshots):
         """Build every component and wire them; nothing starts running here."""
         rows = self.agent.rows() if isinstance(self.agent, PromptSource) else None
         parts = await build(
-            self.config, self._given, multi_turn=self.env is not None or self.agent is not None, rows=rows
+            self.config,
+            self._given,
+            task=self.task,
+            multi_turn=self.env is not None or self.agent is not None,
+            rows=rows,
         )
         cfg = self.config = parts.config
         self.parts = parts

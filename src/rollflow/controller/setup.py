@@ -27,6 +27,7 @@ from rollflow.envs import ChatFormat
 from rollflow.errors import ConfigError
 from rollflow.models import check_chat_template, load_tokenizer, prompt_encoder, resolve_model
 from rollflow.sampler import Sampler
+from rollflow.tasks import Task
 from rollflow.trainer import TrainerBackend
 from rollflow.weight_sync import WeightTransport, make_transport
 
@@ -73,7 +74,9 @@ def with_context(config: Config, model_path: Path) -> Config:
     return msgspec.structs.replace(config, engine=engine)
 
 
-async def build(config: Config, given: Given, *, multi_turn: bool, rows: list[Row] | None = None) -> Components:
+async def build(
+    config: Config, given: Given, *, task: Task, multi_turn: bool, rows: list[Row] | None = None
+) -> Components:
     """The tokenizer, sampler, trainer, teacher, engine and transport: given ones or built
     from the config (the trainer and teacher load in a thread; the loop keeps running).
     `rows`: the prompts, when the episodes bring their own (a verifiers environment's dataset)."""
@@ -110,7 +113,11 @@ async def build(config: Config, given: Given, *, multi_turn: bool, rows: list[Ro
     return Components(
         tokenizer=tokenizer,
         sampler=Sampler(
-            config.data, prompt_encoder(tokenizer, config.data), rows=rows, held_out_seed=config.run.eval_seed
+            config.data,
+            prompt_encoder(tokenizer, config.data),
+            task=task,
+            rows=rows,
+            held_out_seed=config.run.eval_seed,
         ),
         chat=ChatFormat(tokenizer) if multi_turn else None,
         runner=runner,

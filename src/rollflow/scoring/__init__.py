@@ -41,7 +41,7 @@ import msgspec
 from rollflow.config import RewardConfig, ScoringConfig
 from rollflow.errors import ConfigError
 from rollflow.records import Prompt
-from rollflow.tasks import REASONING_GYM, verify
+from rollflow.tasks import Task, parse_task, verify
 
 RewardName = Literal["verifier", "digits", "math_verify"]
 RewardFunc = Callable[..., Any]
@@ -153,25 +153,28 @@ def load_function(spec: str, field: str) -> RewardFunc:
     return func
 
 
-def builtin_reward(name: str, task: str, *, weight: float = 1.0, timeout_s: float = 30.0) -> Reward:
-    """The built-in reward `name` for prompts of `task`. The task checkers of the built-in tasks
-    and `digits` take microseconds and run on the event loop; a reasoning-gym dataset's checker
-    runs on a thread with `timeout_s`, and `math_verify` in its worker processes."""
+def builtin_reward(name: str, task: Task | None = None, *, weight: float = 1.0, timeout_s: float = 30.0) -> Reward:
+    """The built-in reward `name` for prompts of `task` (`data.task` parsed). The checkers of the
+    built-in tasks and `digits` take microseconds and run on the event loop; a slow checker (a
+    reasoning-gym dataset's) runs on a thread with `timeout_s`, and `math_verify` in its worker
+    processes."""
     if name == "math_verify":
         from rollflow.scoring.math_verify import MathVerify
 
         # Bounded judgement by judgement; a time limit on a whole group's call would count the
         # wait for workers other groups hold.
         return Reward(name, MathVerify(), weight=weight, timeout_s=None)
-    if name == "verifier" and task.startswith(REASONING_GYM):
+    if name == "verifier" and task is not None and task.slow_checker:
         return Reward(name, verifier, weight=weight, timeout_s=timeout_s)
     checkers: dict[str, RewardFunc] = {"verifier": verifier, "digits": digits}
     return Reward(name, checkers[name], weight=weight, inline=True)
 
 
-def make_reward(config: RewardConfig, index: int, given: dict[str, RewardFunc] | None = None, task: str = "") -> Reward:
-    """The reward a `[[scoring.rewards]]` entry describes (`task`: `data.task`, which decides
-    where a built-in checker runs)."""
+def make_reward(
+    config: RewardConfig, index: int, given: dict[str, RewardFunc] | None = None, task: Task | None = None
+) -> Reward:
+    """The reward a `[[scoring.rewards]]` entry describes (`task`: `data.task` parsed, which
+    decides where a built-in checker runs)."""
     field = f"scoring.rewards[{index}]"
     sources = [bool(config.function), bool(config.url)]
     if sum(sources) > 1:
@@ -211,10 +214,10 @@ def make_rewards(
     given: dict[str, RewardFunc] | None = None,
     *,
     env: bool = False,
-    task: str = "",
+    task: Task | None = None,
 ) -> list[Reward]:
     """The configured rewards and the functions `given` in Python; without any, `default`
-    (run.reward), unless an environment (`env`) gives the rewards. `task`: `data.task`."""
+    (run.reward), unless an environment (`env`) gives the rewards. `task`: `data.task` parsed."""
     given = dict(given or {})
     rewards = [make_reward(c, i, given, task) for i, c in enumerate(scoring.rewards)]
     named = {r.name for r in rewards}
@@ -383,4 +386,5 @@ def _check_steps(value: Any, length: int) -> tuple[list[tuple[int, float]], str 
 
 def eval_scorer(config: Any) -> Scorer:
     """The scorer of held-out evaluation: `run.reward` alone, for the prompts of `data.task`."""
-    return Scorer([builtin_reward(config.run.reward, config.data.task)], max_concurrency=config.scoring.max_concurrency)
+    reward = builtin_reward(config.run.reward, parse_task(config.data))
+    return Scorer([reward], max_concurrency=config.scoring.max_concurrency)

@@ -1,20 +1,26 @@
-"""Procedural tasks: prompts generated from (seed, index), and the verifier of each task.
+"""Tasks: what `data.task` names, parsed once into a `Task` that makes and checks its problems.
 
-`data.task` names one: a built-in (`arithmetic`, `countdown`: `rollflow.tasks.builtin`) or any
-reasoning-gym dataset (`reasoning_gym:NAME`: `rollflow.tasks.reasoning_gym`). `problem_source`
-gives the function that makes problem `index` of the stream with seed `seed`; `verify` scores a
-completion of a prompt with its task's checker (rows of dataset files without one are compared
-with their `answer`). This module does no tokenising and no sampling order; see `sampler`.
+`parse_task(data)` is the one place the string is read: a built-in procedural task (`arithmetic`,
+`countdown`: `rollflow.tasks.builtin`), a reasoning-gym dataset (`reasoning_gym:NAME`:
+`rollflow.tasks.reasoning_gym`) or dataset files (`jsonl`, read by the sampler). A `Task` says
+its kind and name, makes problem `index` of the stream with seed `seed` (`problems`), verifies a
+completion (`verify`), whether its checker is slow (it then runs on a thread) and how many items
+of its stream are held out for evaluation. `task_named(name)` is the verifier of a prompt's own
+task column (a dataset row may name any task; an unknown one is compared with its `answer`).
+This module does no tokenising and no sampling order (`rollflow.sampler`), and does not decide
+what a run refuses (`rollflow.checks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+import functools
 from typing import TYPE_CHECKING, Any
 
 from rollflow.errors import ConfigError
 from rollflow.tasks.builtin import (
     PROBLEMS,
+    BuiltinTask,
     Problem,
     arithmetic_problem,
     arithmetic_reward,
@@ -24,65 +30,27 @@ from rollflow.tasks.builtin import (
     last_integer,
 )
 from rollflow.tasks.reasoning_gym import PREFIX as REASONING_GYM
+from rollflow.tasks.task import FILES, ProblemSource, Task, TaskKind
 
 if TYPE_CHECKING:
     from rollflow.config import DataConfig
 
 __all__ = [
     "PROBLEMS",
-    "REASONING_GYM",
     "Problem",
     "ProblemSource",
+    "Task",
+    "TaskKind",
     "arithmetic_problem",
     "arithmetic_reward",
-    "check_source",
     "countdown_problem",
     "countdown_reward",
     "evaluate_expression",
     "last_integer",
-    "problem_source",
+    "parse_task",
+    "task_named",
     "verify",
 ]
-
-FILES = "jsonl"
-"""The `data.task` that reads dataset files instead of generating prompts."""
-
-
-class ProblemSource:
-    """A procedural task: problem `index` of the stream with seed `seed`, and the system prompt
-    its prompts get when `data.system_prompt` is empty. `prepare(seed, index)` does the slow
-    part of making that problem ahead, on any thread (a no-op for tasks that make problems in
-    microseconds)."""
-
-    def __init__(
-        self,
-        make: Callable[[int, int], Problem],
-        system_prompt: str = "",
-        prepare: Callable[[int, int], None] | None = None,
-    ) -> None:
-        self.make = make
-        self.system_prompt = system_prompt
-        self.prepare = prepare or (lambda seed, index: None)
-        self.slow = prepare is not None
-        """Making a problem can take long enough to stall an event loop (`prepare` it on a thread)."""
-
-    def __call__(self, seed: int, index: int) -> Problem:
-        return self.make(seed, index)
-
-
-def problem_source(config: DataConfig) -> ProblemSource:
-    """The procedural task `data.task` names; ConfigError for an unknown one (naming close names)."""
-    task = config.task
-    if task in PROBLEMS:
-        make = PROBLEMS[task]
-        return ProblemSource(lambda seed, index: make(seed, index, config.max_operand))
-    if task.startswith(REASONING_GYM):
-        from rollflow.tasks.reasoning_gym import task_for
-
-        source = task_for(task, config.task_config, config.answer_from)
-        return ProblemSource(source.problem, source.system_prompt, source.prepare)
-    raise ConfigError(f"data.task: {task!r} is not a task; {TASK_FORMS}")
-
 
 TASK_FORMS = (
     f"expected {', '.join(repr(t) for t in PROBLEMS)}, 'reasoning_gym:NAME' (a reasoning-gym dataset) "
@@ -91,59 +59,36 @@ TASK_FORMS = (
 """What `data.task` accepts, for error messages."""
 
 
-CHARS_PER_TOKEN_MAX = 32
-"""More characters than any tokenizer puts in one token on average: a prompt longer than this
-many characters per token of the context cannot fit it, whatever the tokenizer."""
+def parse_task(data: DataConfig) -> Task:
+    """The task `data.task` names, with its settings; ConfigError for a name that is none (naming
+    close ones). Cheap: a reasoning-gym dataset is made when its problems are first needed."""
+    name = data.task
+    if name in PROBLEMS:
+        return BuiltinTask(name, data.max_operand)
+    if name == FILES:
+        return Task()
+    if name.startswith(REASONING_GYM) and len(name) > len(REASONING_GYM):
+        from rollflow.tasks.reasoning_gym import ReasoningGym
 
-
-def check_source(config: DataConfig, context_tokens: int | None = None) -> None:
-    """ConfigError now, before anything heavy starts, when `data.task` names a procedural task
-    that does not exist, settings it refuses, or settings whose first prompt cannot fit
-    `context_tokens` (`engine.max_model_len`; None: not checked) by its length alone (dataset
-    files are read by the sampler)."""
-    if config.task == FILES:
-        return
-    source = problem_source(config)
-    if context_tokens is None:
-        return
-    try:
-        question = source(config.seed, 0).question
-    except Exception:  # this item's problem: the run drops its prompt with the reason
-        return
-    if len(question) > context_tokens * CHARS_PER_TOKEN_MAX:
-        field = "data.task_config" if config.task.startswith(REASONING_GYM) else "data.task"
-        raise ConfigError(
-            f"{field}: {config.task!r} makes prompts of {len(question):,} characters (its first), more than a "
-            f"context of {context_tokens:,} tokens (engine.max_model_len) can hold; make its problems smaller"
-        )
-
-
-def check_task(task: str) -> None:
-    """ConfigError unless `task` has one of the forms `data.task` accepts (the dataset a
-    `reasoning_gym:NAME` names is checked when its prompts are made)."""
-    if task in PROBLEMS or task == FILES or (task.startswith(REASONING_GYM) and len(task) > len(REASONING_GYM)):
-        return
-    import difflib
-
-    close = difflib.get_close_matches(task, [*PROBLEMS, FILES], n=2, cutoff=0.6)
+        return ReasoningGym(name, data.task_config, data.answer_from)
+    close = difflib.get_close_matches(name, [*PROBLEMS, FILES], n=2, cutoff=0.6)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    raise ConfigError(f"data.task: {task!r} is not a task{hint} ({TASK_FORMS})")
+    raise ConfigError(f"data.task: {name!r} is not a task{hint} ({TASK_FORMS})")
+
+
+@functools.lru_cache(maxsize=64)
+def task_named(name: str) -> Task:
+    """The verifier of a prompt whose task column says `name`: its task with default settings (a
+    reasoning-gym prompt carries its item's settings in its metadata), or, for a name that is no
+    task (a dataset row's own label), the comparison with the row's answer."""
+    from rollflow.config import DataConfig
+
+    try:
+        return parse_task(DataConfig(task=name))
+    except ConfigError:
+        return Task(name)
 
 
 def verify(task: str, completion: str, answer: str | None, metadata: dict[str, Any]) -> float:
-    """Score a completion with the verifier of its task."""
-    if task == "arithmetic" and answer is not None:
-        return arithmetic_reward(completion, answer)
-    if task == "countdown":
-        return countdown_reward(completion, metadata["numbers"], metadata["target"])
-    if task.startswith(REASONING_GYM):
-        from rollflow.tasks.reasoning_gym import score
-
-        return score(task, completion, metadata)
-    if answer is not None:
-        return (
-            arithmetic_reward(completion, answer)
-            if answer.lstrip("-").isdigit()
-            else float(completion.strip() == answer.strip())
-        )
-    raise ValueError(f"task {task!r} has no verifier and the prompt has no answer")
+    """Score a completion of a prompt of task `task` with that task's verifier."""
+    return task_named(task).verify(completion, answer, metadata)

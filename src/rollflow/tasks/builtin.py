@@ -13,19 +13,11 @@ import operator
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from rollflow.tasks.task import Problem, ProblemSource, Task, TaskKind
+
 _LAST_INT = re.compile(r"-?\d+")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One generated problem: the user message, the reference answer, extra columns."""
-
-    question: str
-    answer: str
-    metadata: dict[str, Any]
 
 
 def arithmetic_problem(seed: int, index: int, max_operand: int = 20) -> Problem:
@@ -116,3 +108,22 @@ PROBLEMS: dict[str, Callable[[int, int, int], Problem]] = {
     "countdown": countdown_problem,
 }
 """Built-in procedural tasks by name: (seed, index, max_operand) -> Problem."""
+
+
+class BuiltinTask(Task):
+    """`arithmetic` or `countdown` (`rollflow.tasks.builtin`)."""
+
+    kind: TaskKind = "builtin"
+
+    def __init__(self, name: str, max_operand: int = 20) -> None:
+        super().__init__(name)
+        self.max_operand = max_operand
+
+    def problems(self) -> ProblemSource:
+        make = PROBLEMS[self.name]
+        return ProblemSource(lambda seed, index: make(seed, index, self.max_operand))
+
+    def verify(self, completion: str, answer: str | None, metadata: dict[str, Any]) -> float:
+        if self.name == "countdown":
+            return countdown_reward(completion, metadata["numbers"], metadata["target"])
+        return super().verify(completion, answer, metadata)

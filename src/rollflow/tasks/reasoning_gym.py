@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from rollflow.errors import ConfigError
-from rollflow.tasks.builtin import Problem
+from rollflow.tasks.task import Problem, ProblemSource, Task, TaskKind
 
 PREFIX = "reasoning_gym:"
 """`data.task` values naming a reasoning-gym dataset start with this."""
@@ -43,6 +43,11 @@ DATASETS_KEPT = 8
 
 READY_KEPT = 64
 """Items made ahead by `prepare` and not yet taken, kept at most (the sampler takes each at once)."""
+
+HELD_OUT_ITEMS = 100_000
+"""Items of a stream, from `run.eval_seed` on, that are held out for evaluation: the held-out
+prompts are items `eval_seed`, `eval_seed + 1`, ... of the dataset (reasoning-gym makes item i of
+seed s from s + i), and a training stream skips every item in that window."""
 
 RESERVED = ("seed", "size")
 """Dataset settings rollflow sets itself: the seed from `data.seed` (or `run.eval_seed`), the size endless."""
@@ -249,3 +254,29 @@ def score(task: str, completion: str, metadata: dict[str, Any]) -> float:
         raise ValueError(f"prompt of task {task!r} has no reasoning_gym metadata (seed, index) to score against")
     source = task_for(task, origin.get("settings", {}), origin.get("answer_from", "tag"))
     return source.score(completion, int(origin["seed"]), int(origin["index"]))
+
+
+class ReasoningGym(Task):
+    """`data.task = "reasoning_gym:NAME"` with its settings: the dataset (made when first needed;
+    a bad name or setting is a ConfigError then), its stream, and its `score_answer`."""
+
+    kind: TaskKind = "reasoning_gym"
+    slow_checker = True
+    held_out_items = HELD_OUT_ITEMS
+
+    def __init__(self, name: str, settings: dict[str, Any], answer_from: AnswerFrom = "tag") -> None:
+        super().__init__(name)
+        self.settings = dict(settings)
+        self.answer_from = answer_from
+
+    @property
+    def dataset(self) -> ReasoningGymTask:
+        return task_for(self.name, self.settings, self.answer_from)
+
+    def problems(self) -> ProblemSource:
+        dataset = self.dataset
+        return ProblemSource(dataset.problem, dataset.system_prompt, dataset.prepare)
+
+    def verify(self, completion: str, answer: str | None, metadata: dict[str, Any]) -> float:
+        """The dataset's `score_answer`, against the item the prompt's metadata names."""
+        return score(self.name, completion, metadata)
