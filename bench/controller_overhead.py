@@ -19,6 +19,7 @@ import machine
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.engine import EngineOutput
 from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
 
@@ -59,10 +60,12 @@ async def main(args: argparse.Namespace) -> None:
         controller = Controller(
             config,
             out,
-            engine=InstantEngine(args.tokens),
-            trainer=FakeTrainer(),
-            transport=NullTransport(),
-            tokenizer=FakeTokenizer(),
+            given=Given(
+                engine=InstantEngine(args.tokens),
+                trainer=FakeTrainer(),
+                transport=NullTransport(),
+                tokenizer=FakeTokenizer(),
+            ),
         )
         import logging
 

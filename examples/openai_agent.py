@@ -79,7 +79,7 @@ async def agent(task: rollflow.AgentTask, base_url: str) -> float:
 
 async def main(preset: str) -> None:
     config = rollflow.load_config(
-        preset=preset, overrides=["run.max_steps=4", "env.max_turns=3", "env.max_tokens=96"]
+        preset=preset, overrides=["run.max_steps=4", "env.kind=agent", "env.max_turns=3", "env.max_tokens=96"]
     )
     output_dir = rollflow.new_run_dir(f"openai-agent-{preset}")  # new each time
     result = await rollflow.train(config, output_dir, agent=agent)

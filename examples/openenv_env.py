@@ -25,11 +25,11 @@ HERE = Path(__file__).resolve().parent
 
 async def main(url: str | None) -> None:
     sys.path.insert(0, str(HERE / "environments"))  # where the example environment lives
-    server = [f"env.openenv_url={url}"] if url else ["env.openenv_server=openenv_sums:app"]
+    server = [f"env.url={url}"] if url else ["env.server=openenv_sums:app"]
     config = rollflow.load_config(
         preset="tiny",
-        overrides=["env.openenv=openenv_sums:SumsClient", *server, "env.max_turns=2", "env.max_tokens=64",
-                   "run.max_steps=6", "observe.sinks=[]"],
+        overrides=["env.kind=openenv", "env.client=openenv_sums:SumsClient", *server, "env.max_turns=2",
+                   "env.max_tokens=64", "run.max_steps=6", "observe.sinks=[]"],
     )
     output_dir = rollflow.new_run_dir("openenv")  # runs/openenv-<date>-<time>, new each time
     result = await rollflow.train(config, output_dir, on_step=lambda m: print(

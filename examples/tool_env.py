@@ -41,6 +41,7 @@ async def main(name: str) -> None:
         preset="tiny",
         overrides=[
             "run.max_steps=6",
+            "env.kind=tool",
             f"env.name={name}",
             "env.max_turns=3",
             "env.max_tokens=96",

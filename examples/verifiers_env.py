@@ -29,7 +29,8 @@ async def main(env_id: str) -> None:
     sys.path.insert(0, str(HERE / "environments"))  # where these examples' environments live
     config = rollflow.load_config(
         preset="tiny",
-        overrides=[f"env.verifiers={env_id}", "env.max_tokens=96", "run.max_steps=8", "observe.sinks=[]"],
+        overrides=["env.kind=verifiers", f"env.environment={env_id}", "env.max_tokens=96", "run.max_steps=8",
+                   "observe.sinks=[]"],
     )
     output_dir = rollflow.new_run_dir(f"verifiers-{env_id}")  # new each time
     result = await rollflow.train(config, output_dir, on_step=lambda m: print(

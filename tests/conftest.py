@@ -13,6 +13,7 @@ import torch
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.records import TrainBatch, TrainSample
 from rollflow.testing import EOS_TOKEN, FakeTokenizer, FakeTrainer, NullTransport, context_state, fake_token, mix
 
@@ -36,8 +37,9 @@ def run_fake():
     async def run(tmp_path, engine, trainer=None, max_tokens=12, **run):
         trainer = trainer or FakeTrainer()
         controller = Controller(
-            _tiny_config(max_tokens, **run), tmp_path, engine=engine, trainer=trainer, transport=NullTransport(),
-            tokenizer=FakeTokenizer(),
+            _tiny_config(max_tokens, **run),
+            tmp_path,
+            given=Given(engine=engine, trainer=trainer, transport=NullTransport(), tokenizer=FakeTokenizer()),
         )
         result = await asyncio.wait_for(controller.run(), 60)
         ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]

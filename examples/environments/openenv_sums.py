@@ -4,7 +4,7 @@ The server side (`SumsEnvironment`, served by `app`) asks "What is a + b?" at re
 numbers drawn from the reset seed) and judges each answer: reward 1.0 and done when the reply's
 last number is right, otherwise "Not right. Try again." until `MAX_TRIES` answers. The client
 (`SumsClient`) is an ordinary `EnvClient`. Serve it with `uvicorn openenv_sums:app` or let
-rollflow start it (`env.openenv_server = "openenv_sums:app"`).
+rollflow start it (`[env] kind = "openenv"`, `server = "openenv_sums:app"`).
 """
 
 from __future__ import annotations

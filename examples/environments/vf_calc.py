@@ -2,7 +2,7 @@
 
 The model may call `add(a, b)` (Hermes `<tool_call>` format through the OpenAI API); the tool's
 result comes back as a tool message, and the rubric checks the final reply's last number.
-Loaded by name (`env.verifiers = "vf-calc"`) with this folder on sys.path.
+Loaded by name (`[env] kind = "verifiers"`, `environment = "vf-calc"`) with this folder on sys.path.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `load_environment(n=32)`: "What is a + b?" rows, scored by a rubric function that checks the
 last number of the reply (and, at half weight, the share of digits in it: a signal even a tiny
-random model can climb). Loaded by name (`env.verifiers = "vf-sums"`) with this folder on
+random model can climb). Loaded by name (`[env] kind = "verifiers"`, `environment = "vf-sums"`) with this folder on
 sys.path, as an installed environment package would be; examples/verifiers_env.py trains it.
 """
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rollflow.config import CONTEXT_CAP, Config
+from rollflow.config import CONTEXT_CAP, Config, OpenEnvConfig, VerifiersEnvConfig
 from rollflow.errors import ConfigError
 from rollflow.tasks import Task, parse_task
 
@@ -72,7 +72,7 @@ def machine_memory(limits: tuple[str, ...] = CGROUP_LIMITS) -> int:
 
 def memory_problem(config: Config, memory_bytes: int) -> str | None:
     """Why the samples the run keeps in flight cannot fit in half of `memory_bytes`, or None."""
-    budget = config.env.max_tokens if config.env.episodes else config.sampling.max_tokens
+    budget = config.completion_budget
     samples = in_flight_samples(config)
     needed = samples * (SAMPLE_BYTES + budget * TOKEN_BYTES)
     if needed <= memory_bytes // 2:
@@ -121,7 +121,7 @@ def training_problems(config: Config, memory_bytes: int | None = None) -> list[s
             f"engine.max_loras: {engine.max_loras} adapters cannot hold every version still in use with "
             f"run.max_lag = {config.run.max_lag} (at least max_lag + 2 = {config.run.max_lag + 2}; 0 picks that)"
         )
-    budget = config.env.max_tokens if config.env.episodes else config.sampling.max_tokens
+    budget = config.completion_budget
     if config.rollout.overlong == "soft" and not 0 < config.rollout.overlong_buffer < budget:
         problems.append(
             f'rollout.overlong_buffer: the "soft" penalty needs a buffer between 1 and the token budget - 1 '
@@ -179,35 +179,29 @@ def check_task(config: Config) -> Task:
 
 
 def episode_problems(config: Config) -> list[str]:
-    """What cannot work in the episode settings (`env.*`): two sources of episodes at once,
-    settings of one source given without it, raw prompts, evaluation that cannot apply."""
-    env, problems = config.env, []
-    sources = env.sources
-    if len(sources) > 1:
-        named = ", ".join(f"env.{key} = {value!r}" for key, value in sources.items())
-        problems.append(f"env: one source of episodes at a time, got {named}")
-    if sources and config.data.template == "raw":
+    """What cannot work in the episode settings (`[env]`): raw prompts, an OpenEnv source with
+    both or neither of its server settings, a dataset beside an environment that brings its own,
+    evaluation that cannot apply."""
+    env, problems = config.env, list[str]()
+    if env is None:
+        return problems
+    kind = env.__struct_config__.tag
+    if config.data.template == "raw":
         problems.append(
             'data.template: environments and agents render conversations with the chat template; "raw" prompts '
-            f"cannot be used with {', '.join(f'env.{key}' for key in sources)}"
+            f"cannot be used with [env] kind = {kind!r}"
         )
-    if env.verifiers_args and not env.verifiers:
-        problems.append("env.verifiers_args: set without env.verifiers")
-    openenv_keys = ("openenv_url", "openenv_server", "openenv_action", "openenv_observation")
-    for key in openenv_keys:
-        if getattr(env, key) and not env.openenv:
-            problems.append(f"env.{key}: set without env.openenv")
-    if env.openenv and bool(env.openenv_url) == bool(env.openenv_server):
+    if isinstance(env, OpenEnvConfig) and bool(env.url) == bool(env.server):
         problems.append(
-            "env.openenv: give the server's address (env.openenv_url) or the app rollflow serves (env.openenv_server), "
-            "one of them"
+            'env.url: kind = "openenv" needs the server\'s address (env.url) or the app rollflow serves '
+            "(env.server), one of them"
         )
-    if env.verifiers and config.data.paths:
-        problems.append("data.paths: a verifiers environment brings its own dataset (env.verifiers); remove data.paths")
-    for key in ("verifiers", "openenv"):
-        if getattr(env, key) and config.run.eval_prompts:
-            problems.append(
-                f"run.eval_prompts: held-out evaluation scores single turns of data.task with run.reward, which does "
-                f"not apply to env.{key} episodes; set run.eval_prompts = 0 (the rewards per step are in metrics.jsonl)"
-            )
+    if isinstance(env, VerifiersEnvConfig) and config.data.paths:
+        problems.append("data.paths: a verifiers environment brings its own dataset; remove data.paths")
+    if isinstance(env, (VerifiersEnvConfig, OpenEnvConfig)) and config.run.eval_prompts:
+        problems.append(
+            "run.eval_prompts: held-out evaluation scores single turns of data.task with run.reward, which does "
+            f"not apply to kind = {kind!r} episodes; set run.eval_prompts = 0 (the rewards per step are in "
+            "metrics.jsonl)"
+        )
     return problems

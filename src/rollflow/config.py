@@ -218,11 +218,9 @@ class RolloutConfig(_Section, frozen=True):
     """With `overlong = "soft"`: the last this many tokens of the budget, over which the penalty grows."""
 
 
-class EnvConfig(_Section, frozen=True):
-    name: str = ""
-    """A multi-turn environment for every sample (empty: single-turn completions): `calculator`
-    (arithmetic with a calculator tool), `retry` (answer, hear whether it was right, try again)
-    or `module:attribute`, a class or function of no arguments returning an `Environment`."""
+class EpisodeConfig(_Section, frozen=True, tag_field="kind"):
+    """`[env]`: where each sample's multi-turn episode comes from, by `kind` (a tagged union; no
+    `[env]`: single-turn completions). The settings every kind shares are here."""
 
     max_turns: PosInt = 4
     """Model turns per episode at most."""
@@ -232,71 +230,105 @@ class EnvConfig(_Section, frozen=True):
     (each turn also stops at `sampling.max_tokens`)."""
 
     step_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
-    """Per call of the environment's reset or step; past it the episode ends unscorable."""
+    """Per call of the environment's reset or step (or the agent's call to the endpoint); past it
+    the episode ends unscorable."""
+
+
+class ToolEnvConfig(EpisodeConfig, frozen=True, tag="tool"):
+    """`kind = "tool"`: a rollflow `Environment` for every sample (`rollflow.envs`)."""
+
+    name: str = ""
+    """`calculator` (arithmetic with a calculator tool), `retry` (answer, hear whether it was
+    right, try again) or `module:attribute`, a class or function of no arguments returning an
+    `Environment`; empty: the one passed in Python (`rollflow.train(..., env=...)`)."""
 
     tool_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
     """Built-in tool environments: per tool call; past it the model reads a timeout error as the result."""
 
-    agent: str = ""
-    """An agent written against the OpenAI chat API runs every episode instead of an environment:
-    `module:function`, `async def agent(task, base_url) -> float | None` (or a sync function, run
-    in a thread). Its calls to `base_url` are served by the run's engine and recorded token by
-    token (`rollflow.agent`). `env.max_turns` bounds its calls, `env.max_tokens` the episode,
-    `env.step_timeout_s` each call."""
+
+class EndpointConfig(EpisodeConfig, frozen=True):
+    """Settings of the kinds whose episodes call the run's OpenAI-compatible endpoint."""
 
     episode_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
-    """With `env.agent`: an episode still running after this is ended, unscorable."""
+    """An episode still running after this is ended, unscorable."""
 
-    verifiers: str = ""
-    """A verifiers environment (prime-rl's standard; needs the `verifiers` extra), e.g.
-    `"vf-math-python"`: loaded with verifiers' own `load_environment`, its dataset gives the
-    prompts, and every episode is its own rollout and rubric through the run's OpenAI-compatible
-    endpoint (as with `agent`)."""
+    host: str = "127.0.0.1"
+    """The address the endpoint listens on."""
 
-    verifiers_args: dict[str, Any] = {}
-    """Keyword arguments of the verifiers environment's `load_environment`."""
+    port: NonNegInt = 0
+    """Its port (0: a free one)."""
 
-    openenv: str = ""
-    """An OpenEnv environment (TRL's standard; needs the `openenv` extra): its client class,
-    `module:ClientClass` (an `EnvClient` subclass). Each episode opens a session with the server
-    (`openenv_url` or `openenv_server`): reset, then one step per model turn."""
 
-    openenv_url: str = ""
-    """With `openenv`: the address of a running OpenEnv server, e.g. `"http://127.0.0.1:8000"`."""
+class AgentEnvConfig(EndpointConfig, frozen=True, tag="agent"):
+    """`kind = "agent"`: an agent written against the OpenAI chat API runs every episode
+    (`rollflow.agent`); its calls to the run's endpoint are served by the run's engine and
+    recorded token by token. `max_turns` bounds its calls, `max_tokens` the episode,
+    `step_timeout_s` each call."""
 
-    openenv_server: str = ""
-    """With `openenv`: instead of a URL, the environment's ASGI app `module:app` (what OpenEnv's
-    `create_app` returns), which rollflow serves itself with uvicorn on 127.0.0.1 for the run."""
+    function: str = ""
+    """`module:function`, `async def agent(task, base_url) -> float | None` (or a sync function,
+    run in a thread); empty: the one passed in Python (`rollflow.train(..., agent=...)`)."""
 
-    openenv_action: str = ""
-    """With `openenv`: a function `module:function` turning the model's turn (text) into an
-    action; empty: the client's action class with its one text field set to the text."""
 
-    openenv_observation: str = ""
-    """With `openenv`: a function `module:function` turning an observation into the text the
-    model reads; empty: the observation's one field, or its fields as JSON."""
+class VerifiersEnvConfig(EndpointConfig, frozen=True, kw_only=True, tag="verifiers"):
+    """`kind = "verifiers"`: a verifiers environment (prime-rl's standard; the `verifiers` extra):
+    loaded with verifiers' own `load_environment`, its dataset gives the prompts, and every
+    episode is its own rollout and rubric through the run's endpoint."""
 
-    openenv_sessions: PosInt = 8
-    """With `openenv`: sessions rollflow holds with the server at once (an episode holds one from
-    reset to its end and waits for one within `step_timeout_s`); at most the server's
-    `max_concurrent_envs`, which OpenEnv's `create_app` sets to 1 unless told otherwise."""
+    environment: str
+    """Its id, e.g. `"vf-math-python"` (the module `vf_math_python` with `load_environment`)."""
 
-    agent_host: str = "127.0.0.1"
-    """With `env.agent`: the address the OpenAI-compatible endpoint listens on."""
+    args: dict[str, Any] = {}
+    """Keyword arguments of its `load_environment`."""
 
-    agent_port: NonNegInt = 0
-    """With `env.agent`: its port (0: a free one)."""
 
-    @property
-    def sources(self) -> dict[str, str]:
-        """The episode sources set (`name`, `agent`, `verifiers`, `openenv`) with their values."""
-        named = {"name": self.name, "agent": self.agent, "verifiers": self.verifiers, "openenv": self.openenv}
-        return {key: value for key, value in named.items() if value}
+class OpenEnvConfig(EpisodeConfig, frozen=True, kw_only=True, tag="openenv"):
+    """`kind = "openenv"`: an OpenEnv environment (TRL's standard; the `openenv` extra). Each
+    episode opens a session with the server: reset, then one step per model turn."""
 
-    @property
-    def episodes(self) -> bool:
-        """Every sample is a multi-turn episode (an environment's or an agent's)."""
-        return bool(self.sources)
+    client: str
+    """Its client class, `module:ClientClass` (an `EnvClient` subclass)."""
+
+    url: str = ""
+    """The address of a running OpenEnv server, e.g. `"http://127.0.0.1:8000"`."""
+
+    server: str = ""
+    """Instead of a URL, the environment's ASGI app `module:app` (what OpenEnv's `create_app`
+    returns), which rollflow serves itself with uvicorn on 127.0.0.1 for the run."""
+
+    action: str = ""
+    """A function `module:function` turning the model's turn (text) into an action; empty: the
+    client's action class with its one text field set to the text."""
+
+    observation: str = ""
+    """A function `module:function` turning an observation into the text the model reads; empty:
+    the observation's one field, or its fields as JSON."""
+
+    sessions: PosInt = 8
+    """Sessions rollflow holds with the server at once (an episode holds one from reset to its
+    end, and waits for a free one); at most the server's `max_concurrent_envs`, which OpenEnv's
+    `create_app` sets to 1 unless told otherwise."""
+
+
+EnvConfig = ToolEnvConfig | AgentEnvConfig | VerifiersEnvConfig | OpenEnvConfig
+"""The kinds `[env]` can be; a new source of episodes adds its tagged struct here."""
+
+FLAT_ENV_KEYS = {
+    "name": ("tool", "name"),
+    "tool_timeout_s": ("tool", "tool_timeout_s"),
+    "agent": ("agent", "function"),
+    "agent_host": ("agent", "host"),
+    "agent_port": ("agent", "port"),
+    "verifiers": ("verifiers", "environment"),
+    "verifiers_args": ("verifiers", "args"),
+    "openenv": ("openenv", "client"),
+    "openenv_url": ("openenv", "url"),
+    "openenv_server": ("openenv", "server"),
+    "openenv_action": ("openenv", "action"),
+    "openenv_observation": ("openenv", "observation"),
+    "openenv_sessions": ("openenv", "sessions"),
+}
+"""Keys of the flat `[env]` of earlier releases: (the kind they belong to, their name there)."""
 
 
 class LoRAConfig(_Section, frozen=True):
@@ -615,8 +647,8 @@ class Config(_Section, frozen=True):
     rollout: RolloutConfig = RolloutConfig()
     """How samples are generated."""
 
-    env: EnvConfig = EnvConfig()
-    """Multi-turn episodes with an environment (tools, feedback)."""
+    env: EnvConfig | None = None
+    """Multi-turn episodes, by `kind` (none: single-turn completions)."""
 
     trainer: TrainerConfig = TrainerConfig()
     """The optimizer step on each trainer rank."""
@@ -635,6 +667,12 @@ class Config(_Section, frozen=True):
 
     scoring: ScoringConfig = ScoringConfig()
     """Reward functions and remote reward servers."""
+
+    @property
+    def completion_budget(self) -> int:
+        """Completion tokens a sample may have: the episode's (`env.max_tokens`) when samples are
+        episodes, else `sampling.max_tokens`."""
+        return self.env.max_tokens if self.env is not None else self.sampling.max_tokens
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -781,8 +819,46 @@ def load_config(
     return config_from_dict(data, source=source)
 
 
+def env_kinds() -> dict[str, type[EpisodeConfig]]:
+    """Each `[env]` kind and its struct."""
+    import typing
+
+    return {cls.__struct_config__.tag: cls for cls in typing.get_args(EnvConfig)}
+
+
+def _old_empty_env(env: dict[str, Any]) -> bool:
+    """The `[env]` an earlier release wrote into every run's config.toml: the flat table with
+    every source empty (no episodes)."""
+    sources = ("name", "agent", "verifiers", "openenv")
+    return "kind" not in env and all(key in env and not env[key] for key in sources)
+
+
+def _check_env_table(env: dict[str, Any], source: str) -> None:
+    """The `[env]` table names its kind, and no key of the flat form earlier releases read (which
+    would otherwise change meaning silently): one line showing the new form."""
+    kinds = env_kinds()
+    kind = env.get("kind")
+    fields = set(kinds[kind].__struct_fields__) if kind in kinds else set()
+    for key, value in env.items():
+        if key in FLAT_ENV_KEYS and key not in fields:
+            new_kind, new_key = FLAT_ENV_KEYS[key]
+            raise ConfigError(
+                f"{source}: env.{key}: [env] names its kind now; write [env] kind = {_toml_value(new_kind)}, "
+                f"{new_key} = {_toml_value(value)} (docs/environments.md)"
+            )
+    if kind is None:
+        raise ConfigError(f"{source}: env: give the kind of episodes, kind = {' | '.join(map(repr, kinds))}")
+    if kind not in kinds:
+        raise ConfigError(f"{source}: env.kind: {kind!r} is not one; expected {' | '.join(map(repr, kinds))}")
+
+
 def config_from_dict(data: dict[str, Any], *, source: str = "config") -> Config:
     """Validate a plain dict against the schema, then the settings that depend on each other."""
+    if isinstance(data.get("env"), dict):
+        if _old_empty_env(data["env"]):  # a run's config.toml of an earlier release, without episodes
+            data = {key: value for key, value in data.items() if key != "env"}
+        else:
+            _check_env_table(data["env"], source)
     try:
         config = msgspec.convert(data, Config)
     except msgspec.ValidationError as err:
@@ -822,6 +898,8 @@ def dump_config(config: Config) -> str:
 def _to_toml(data: dict[str, Any], prefix: str = "") -> str:
     scalars, tables = [], []
     for key, value in data.items():
+        if value is None:  # an optional section left out (`[env]`)
+            continue
         if isinstance(value, dict):
             tables.append((key, value))
         else:

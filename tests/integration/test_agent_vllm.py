@@ -12,6 +12,7 @@ import pytest
 
 import rollflow
 from rollflow.agent import AgentEpisode, AgentServer, run_agent
+from rollflow.controller.setup import Given
 from rollflow.envs import ChatFormat, EpisodeLimits
 from rollflow.models import load_tokenizer, tiny_model_path
 from rollflow.records import Message, Prompt, SamplingSpec
@@ -96,9 +97,14 @@ async def test_a_short_run_of_openai_agents_some_of_which_fail(tmp_path, tiny_pr
             reply = await client.chat.completions.create(model=task.model, messages=messages, max_tokens=8)
         return float(len(reply.choices[0].message.content or "") % 3)
 
-    config = rollflow.load_config(preset="tiny", overrides=["run.max_steps=2", "env.max_tokens=96",
+    config = rollflow.load_config(preset="tiny", overrides=["run.max_steps=2", "env.kind=agent", "env.max_tokens=96",
                                                             "observe.sinks=[]"])
-    result = await rollflow.Controller(config, tmp_path, agent=agent, engine=await tiny_preset_engine()).run()
+    result = await rollflow.Controller(
+        config,
+        tmp_path,
+        agent=agent,
+        given=Given(engine=await tiny_preset_engine()),
+    ).run()
     assert result.steps == 2 and rollflow.audit_ledger(tmp_path).ok
     assert all(set(m["rewards"]) == {"env"} and m["agent_splits"] == 0 for m in result.metrics)
     assert all(m["turns_mean"] == 2.0 for m in result.metrics)  # the failed episodes are not in the batch

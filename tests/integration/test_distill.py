@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import rollflow
+from rollflow.controller.setup import Given
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +23,10 @@ async def test_a_teacher_equal_to_the_student_gives_zero_reverse_kl_advantages(t
                    "sampling.temperature=0.8", "sampling.top_k=20"],
     )
     result = await rollflow.Controller(
-        config, tmp_path, reward_funcs={"zero": zero}, engine=await tiny_preset_engine()
+        config,
+        tmp_path,
+        reward_funcs={"zero": zero},
+        given=Given(engine=await tiny_preset_engine()),
     ).run()
     (row,) = result.metrics
     # Same weights: the teacher's log-probs are the engine's own (float32, same support).
@@ -38,7 +42,10 @@ async def test_the_students_kl_to_a_different_teacher_falls(tmp_path, tiny_prese
                    "trainer.lr=3e-3", "observe.sinks=[]"],
     )
     result = await rollflow.Controller(
-        config, tmp_path, reward_funcs={"zero": zero}, engine=await tiny_preset_engine()
+        config,
+        tmp_path,
+        reward_funcs={"zero": zero},
+        given=Given(engine=await tiny_preset_engine()),
     ).run()
     kl = [row["teacher_kl"] for row in result.metrics]
     early, late = sum(kl[:4]) / 4, sum(kl[-4:]) / 4

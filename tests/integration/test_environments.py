@@ -14,6 +14,7 @@ import pytest
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.evaluate import held_out_report
 from rollflow.ledger import summarize
 from rollflow.models import load_tokenizer, tiny_model_path
@@ -35,7 +36,7 @@ async def run(lender, out, record_groups, *overrides, **given):
     """A tiny-preset run with `overrides` on the session's shared engine; its result, the groups
     it trained and the controller."""
     config = load_config(preset="tiny", overrides=[*BASE, *overrides])
-    controller = Controller(config, out, engine=await lender(), **given)
+    controller = Controller(config, out, **given, given=Given(engine=await lender()))
     result = await controller.run()
     assert summarize(out).ok  # every prompt accounted for exactly once
     return result, list(record_groups), controller
@@ -97,8 +98,8 @@ async def test_math_verify_scores_a_dataset_file(lender, tmp_path, record_groups
 @pytest.mark.parametrize("env_id", ["vf-sums", "vf-calc"])
 async def test_a_verifiers_environment_trains_through_the_endpoint(lender, tmp_path, record_groups, env_id):
     result, groups, _ = await run(
-        lender, tmp_path, record_groups, f"env.verifiers={env_id}", "env.max_tokens=64", "sampling.max_tokens=16",
-        "rollout.group_size=4", "run.groups_per_step=2",
+        lender, tmp_path, record_groups, "env.kind=verifiers", f"env.environment={env_id}", "env.max_tokens=64",
+        "sampling.max_tokens=16", "rollout.group_size=4", "run.groups_per_step=2",
     )
     assert result.steps == 3 and len(groups) == 6
     for group in groups:
@@ -113,8 +114,8 @@ async def test_a_verifiers_environment_trains_through_the_endpoint(lender, tmp_p
 @pytest.mark.timeout(300)
 async def test_an_openenv_environment_trains_against_the_server_rollflow_starts(lender, tmp_path, record_groups):
     result, groups, _ = await run(
-        lender, tmp_path, record_groups, "env.openenv=openenv_sums:SumsClient",
-        "env.openenv_server=openenv_sums:app", "env.max_turns=2", "env.max_tokens=64", "sampling.max_tokens=8",
+        lender, tmp_path, record_groups, "env.kind=openenv", "env.client=openenv_sums:SumsClient",
+        "env.server=openenv_sums:app", "env.max_turns=2", "env.max_tokens=64", "sampling.max_tokens=8",
     )
     assert result.steps == 3 and groups
     tokenizer = load_tokenizer(tiny_model_path(0))

@@ -8,6 +8,7 @@ import time
 import pytest
 
 import rollflow
+from rollflow.controller.setup import Given
 from rollflow.envs import ChatFormat, EnvStep, EpisodeLimits, run_episode
 from rollflow.envs.tools import ToolCall, call_tool
 from rollflow.models import load_tokenizer, tiny_model_path
@@ -91,6 +92,7 @@ async def test_a_short_run_with_the_calculator_environment(tmp_path, tiny_preset
     config = rollflow.load_config(
         preset="tiny",
         overrides=[
+            "env.kind=tool",
             "env.name=calculator",
             "env.max_turns=2",
             "env.max_tokens=64",
@@ -98,7 +100,7 @@ async def test_a_short_run_with_the_calculator_environment(tmp_path, tiny_preset
             "observe.sinks=[]",
         ],
     )
-    result = await rollflow.Controller(config, tmp_path, engine=await tiny_preset_engine()).run()
+    result = await rollflow.Controller(config, tmp_path, given=Given(engine=await tiny_preset_engine())).run()
     assert result.steps == 2 and all(set(m["rewards"]) == {"env"} for m in result.metrics)
     assert all(m["unscorable"] == 0 and m["turns_mean"] >= 1 for m in result.metrics)
     assert rollflow.audit_ledger(tmp_path).ok

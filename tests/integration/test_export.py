@@ -13,6 +13,7 @@ import torch
 
 from rollflow.config import load_config
 from rollflow.controller import Controller, RunResult
+from rollflow.controller.setup import Given
 from rollflow.evaluate import held_out_report
 from rollflow.export import export_checkpoint
 from rollflow.models import tiny_model_path
@@ -26,7 +27,7 @@ PROMPT = [1, 735, 202, 276, 261, 264, 277, 281, 34, 2, 202, 1, 871, 202]
 
 async def trained(tmp_path, *overrides: str, engine=None) -> tuple[Controller, RunResult]:
     config = load_config(preset="tiny", overrides=["run.max_steps=2", "observe.sinks=[]", *overrides])
-    controller = Controller(config, tmp_path, engine=engine)
+    controller = Controller(config, tmp_path, given=Given(engine=engine))
     result = await controller.run()
     assert result.steps == 2 and result.final_model == str((tmp_path / "final").absolute())
     return controller, result
@@ -75,7 +76,7 @@ async def test_final_model_generates_as_the_trainer_in_transformers_and_vllm_and
         assert result.eval_after is not None and report["accuracy"] == pytest.approx(result.eval_after.accuracy)
         assert report["prompts"] == 6 and report["k"] == 2 and 0.0 <= report["pass_at_k"] <= 1.0
         assert report["model"] == str(final) and json.loads(json.dumps(report)) == report
-        second = await Controller(config, tmp_path / "second", engine=engine).run()
+        second = await Controller(config, tmp_path / "second", given=Given(engine=engine)).run()
     finally:
         await engine.aclose()
     assert second.steps == 1

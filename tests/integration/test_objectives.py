@@ -7,6 +7,7 @@ import pytest
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.ledger import summarize
 
 pytestmark = pytest.mark.integration
@@ -26,7 +27,7 @@ async def test_the_tiny_preset_learns_its_reward(tmp_path, overrides, steps, win
     (it rose by 0.14-0.38): as the policy nears all-digit completions, nearly every group has equal
     rewards and is filtered, so longer runs (or groups of 4) now and then sample for minutes."""
     config = load_config(preset="tiny", overrides=[*overrides, f"run.max_steps={steps}", "observe.sinks=[]"])
-    result = await Controller(config, tmp_path, engine=await tiny_preset_engine()).run()
+    result = await Controller(config, tmp_path, given=Given(engine=await tiny_preset_engine())).run()
     rewards = [m["reward_mean"] for m in result.metrics]
     first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
     assert last > first + 0.1, rewards

@@ -10,6 +10,7 @@ import torch
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 
 pytestmark = pytest.mark.integration
 
@@ -33,14 +34,14 @@ async def async_run(tmp_path_factory, tiny_preset_engine):
     config = load_config(
         preset="tiny", overrides=["run.max_lag=2", "run.max_steps=8", 'observe.sinks=["console","tensorboard"]']
     )
-    return config, await Controller(config, out, engine=await tiny_preset_engine()).run(), out
+    return config, await Controller(config, out, given=Given(engine=await tiny_preset_engine())).run(), out
 
 
 @pytest.fixture(scope="module")
 async def sync_run(tmp_path_factory, tiny_preset_engine):
     out = tmp_path_factory.mktemp("synchronous")
     config = load_config(preset="tiny", overrides=["run.max_lag=0", "run.max_steps=5"])
-    return await Controller(config, out, engine=await tiny_preset_engine()).run(), out
+    return await Controller(config, out, given=Given(engine=await tiny_preset_engine())).run(), out
 
 
 async def test_async_max_lag_2_never_trains_a_token_older_than_the_bound(async_run):
@@ -123,7 +124,7 @@ def test_tensorboard_sink_of_a_real_run(async_run):
 async def test_tiny_preset_learns_its_reward(tmp_path, tiny_preset_engine):
     """30 steps, the first 6 against the last 6 (as tests/integration/test_objectives.py)."""
     config = load_config(preset="tiny", overrides=["run.max_steps=30"])
-    result = await Controller(config, tmp_path, engine=await tiny_preset_engine()).run()
+    result = await Controller(config, tmp_path, given=Given(engine=await tiny_preset_engine())).run()
     rewards = [m["reward_mean"] for m in result.metrics]
     first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
     assert last > first + 0.1, rewards

@@ -14,6 +14,7 @@ import pytest
 
 from rollflow.agent import AgentEpisode, run_agent
 from rollflow.batch import build_batch
+from rollflow.controller.setup import Given
 from rollflow.envs import EpisodeLimits
 from rollflow.models import load_tokenizer, tiny_model_path
 from rollflow.records import Group, Message, Prompt, SamplingSpec
@@ -292,10 +293,19 @@ async def test_a_run_of_agents_labels_every_token_with_the_version_that_computed
         return float(len(reply.choices[0].message.content or "") % 3)
 
     config = load_config(preset="tiny", overrides=["run.max_steps=4", "run.max_lag=1", "sampling.max_tokens=6",
-                                                   "env.max_tokens=300", "env.max_turns=5"])
+                                                   "env.kind=agent", "env.max_tokens=300", "env.max_turns=5"])
     engine = HoldingEngine(token_delay=0.002)
-    controller = Controller(config, tmp_path, engine=engine, trainer=FakeTrainer(),
-                            transport=NullTransport(), tokenizer=load_tokenizer(tiny_model_path(0)), agent=agent)
+    controller = Controller(
+        config,
+        tmp_path,
+        agent=agent,
+        given=Given(
+            engine=engine,
+            trainer=FakeTrainer(),
+            transport=NullTransport(),
+            tokenizer=load_tokenizer(tiny_model_path(0)),
+        ),
+    )
     result = await asyncio.wait_for(controller.run(), 120)
     assert result.steps == 4 and summarize(tmp_path).ok
     assert engine.held is not None
@@ -362,8 +372,17 @@ async def test_a_run_whose_agents_all_fail_stops_naming_the_reason(tmp_path):
         raise KeyError("answer")
 
     config = load_config(preset="tiny", overrides=["run.max_steps=4", "sampling.max_tokens=4"])
-    controller = Controller(config, tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
-                            tokenizer=load_tokenizer(tiny_model_path(0)), agent=broken)
+    controller = Controller(
+        config,
+        tmp_path,
+        agent=broken,
+        given=Given(
+            engine=FakeEngine(),
+            trainer=FakeTrainer(),
+            transport=NullTransport(),
+            tokenizer=load_tokenizer(tiny_model_path(0)),
+        ),
+    )
     with pytest.raises(TrainingError, match="the run cannot learn") as raised:
         await asyncio.wait_for(controller.run(), 60)
     assert "agent: raised KeyError: 'answer' ×16" in str(raised.value)

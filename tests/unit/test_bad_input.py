@@ -19,6 +19,7 @@ import pytest
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.envs import EnvStep, Message
 from rollflow.errors import EngineError, TrainingError, UserInputError
 from rollflow.ledger import summarize
@@ -124,8 +125,11 @@ async def test_bad_input(tmp_path, case):
         overrides += ["scoring.rewards=[" + ", ".join(f'{{name = "{n}"}}' for n in case.rewards) + "]"]
     out = tmp_path / "run"
     controller = Controller(
-        load_config(preset="tiny", overrides=overrides), out, engine=FakeEngine(), trainer=FakeTrainer(),
-        transport=NullTransport(), tokenizer=case.tokenizer, reward_funcs=case.rewards or None, env=case.env,
+        load_config(preset="tiny", overrides=overrides),
+        out,
+        reward_funcs=case.rewards or None,
+        env=case.env,
+        given=Given(engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(), tokenizer=case.tokenizer),
     )
     began = time.monotonic()
     if case.error is None:
@@ -148,8 +152,18 @@ async def test_a_stopped_run_that_could_not_learn_resumes_once_fixed(tmp_path):
                                                    'scoring.rewards=[{name = "r"}]'])
 
     def controller(reward, resume):
-        return Controller(config, tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
-                          tokenizer=FakeTokenizer(), reward_funcs={"r": reward}, resume=resume)
+        return Controller(
+            config,
+            tmp_path,
+            reward_funcs={"r": reward},
+            resume=resume,
+            given=Given(
+                engine=FakeEngine(),
+                trainer=FakeTrainer(),
+                transport=NullTransport(),
+                tokenizer=FakeTokenizer(),
+            ),
+        )
 
     with pytest.raises(TrainingError, match="cannot learn"):
         await asyncio.wait_for(controller(boom, False).run(), 30)
@@ -160,8 +174,18 @@ async def test_a_stopped_run_that_could_not_learn_resumes_once_fixed(tmp_path):
 
 
 def fake_controller(config, out, *, resume=False, engine=None, **kwargs):
-    return Controller(config, out, engine=engine or FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
-                      tokenizer=FakeTokenizer(), resume=resume, **kwargs)
+    return Controller(
+        config,
+        out,
+        resume=resume,
+        **kwargs,
+        given=Given(
+            engine=engine or FakeEngine(),
+            trainer=FakeTrainer(),
+            transport=NullTransport(),
+            tokenizer=FakeTokenizer(),
+        ),
+    )
 
 
 async def test_a_second_run_on_a_live_runs_directory_is_refused_at_once_and_the_live_run_stays_clean(tmp_path):
@@ -279,11 +303,12 @@ KILLED_BEFORE_A_CHECKPOINT = """
 import asyncio, os, signal, sys
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
 
 config = load_config(preset="tiny", overrides=["run.max_steps=6", "sampling.max_tokens=8", "observe.sinks=[]"])
-controller = Controller(config, sys.argv[1], engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
-                        tokenizer=FakeTokenizer())
+fakes = Given(engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(), tokenizer=FakeTokenizer())
+controller = Controller(config, sys.argv[1], given=fakes)
 controller.on_step = lambda row: row["step"] == 1 and os.kill(os.getpid(), signal.SIGKILL)
 asyncio.run(controller.run())
 """

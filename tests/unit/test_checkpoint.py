@@ -12,6 +12,7 @@ import pytest
 from rollflow.checkpoint import PendingGroup, RunState, checkpoints, latest_checkpoint, read_state, save_checkpoint
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.errors import CheckpointError, TrainingError, UserInputError
 from rollflow.ledger import summarize
 from rollflow.testing import (
@@ -30,12 +31,14 @@ def make(tmp_path, *, resume=False, on_step=None, trainer=None, **settings):
     return Controller(
         load_config(preset="tiny", overrides=overrides),
         tmp_path,
-        engine=FakeEngine(token_delay=0.002),
-        trainer=trainer or FakeTrainer(step_s=0.05),
-        transport=NullTransport(),
-        tokenizer=FakeTokenizer(),
         on_step=on_step,
         resume=resume,
+        given=Given(
+            engine=FakeEngine(token_delay=0.002),
+            trainer=trainer or FakeTrainer(step_s=0.05),
+            transport=NullTransport(),
+            tokenizer=FakeTokenizer(),
+        ),
     )
 
 

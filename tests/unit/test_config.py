@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 
 import pytest
@@ -110,13 +111,12 @@ def test_the_cli_refuses_greedy_training_with_exit_code_2(tmp_path, capsys, monk
         (["trainer.lora.enabled=true", "engine.max_loras=2", "run.max_lag=1"], "engine.max_loras: 2 adapters"),
         (["run.weight_transport=nccl"], 'run.weight_transport: "nccl" needs'),
         (["run.eval_every=5"], r"run.eval_every: evaluating during training needs held-out prompts"),
-        (['env.name="calculator"', 'data.template="raw"'], r"data.template: environments and agents render"),
-        (['env.name="calculator"', 'env.agent="m:f"'], r"env: one source of episodes at a time, got env.name"),
+        (['env.kind="tool"', 'env.name="calculator"', 'data.template="raw"'],
+         r"data.template: environments and agents render"),
         (["rollout.overlong=soft"], r'rollout.overlong_buffer: the "soft" penalty needs a buffer between 1 and'),
         (["run.eval_pass_k=4"], r"run.eval_pass_k: pass@k is measured on the held-out prompts"),
-        (['env.openenv="m:C"'], r"env.openenv: give the server's address \(env.openenv_url\) or the app"),
-        (['env.openenv_url="http://127.0.0.1:1"'], r"env.openenv_url: set without env.openenv"),
-        (['env.verifiers="vf-sums"', 'data.paths=["a.jsonl"]', "data.task=jsonl"],
+        (['env.kind="openenv"', 'env.client="m:C"'], r"env.url: kind = \"openenv\" needs the server's address"),
+        (['env.kind="verifiers"', 'env.environment="vf-sums"', 'data.paths=["a.jsonl"]', "data.task=jsonl"],
          r"data.paths: a verifiers environment"),
     ],
 )
@@ -290,3 +290,35 @@ def test_eager_mode_reaches_the_engine_in_process_and_as_a_server(tmp_path):
         config = EngineConfig(enforce_eager=eager, max_model_len=256)
         assert engine_args(str(model), config, "float32").enforce_eager is eager
         assert ("--enforce-eager" in serve_command(model, config, host="127.0.0.1", port=1, dtype="float32")) is eager
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("env.name=calculator", '[env] kind = "tool", name = "calculator"'),
+        ("env.agent=m:f", '[env] kind = "agent", function = "m:f"'),
+        ("env.verifiers=vf-sums", '[env] kind = "verifiers", environment = "vf-sums"'),
+        ("env.openenv=m:C", '[env] kind = "openenv", client = "m:C"'),
+        ("env.openenv_url=http://127.0.0.1:1", '[env] kind = "openenv", url = "http://127.0.0.1:1"'),
+    ],
+)
+def test_the_flat_env_keys_of_earlier_releases_are_refused_showing_the_new_form(old, new):
+    """`[env]` is a tagged union now: a key of the old flat form would silently mean something
+    else (or nothing), so it is refused in one line that shows what to write."""
+    with pytest.raises(ConfigError, match=re.escape(f"{old.split('=')[0]}: [env] names its kind now; write {new}")):
+        load_config(preset="tiny", overrides=[old])
+
+
+def test_env_kinds_load_with_their_own_settings_and_a_run_config_of_an_earlier_release_still_loads(tmp_path):
+    config = load_config(overrides=["env.kind=openenv", "env.client=m:C", "env.url=http://h", "env.max_turns=2"])
+    assert config.env is not None and config.env.__struct_config__.tag == "openenv"
+    assert (config.env.client, config.env.url, config.env.max_turns, config.env.sessions) == ("m:C", "http://h", 2, 8)
+    assert load_config(overrides=["env.kind=tool", "env.name=retry"]).completion_budget == 256
+    with pytest.raises(ConfigError, match=r"env: give the kind of episodes, kind = 'tool' \| 'agent'"):
+        load_config(overrides=["env.max_turns=3"])
+    with pytest.raises(ConfigError, match=r"env.kind: 'gym' is not one"):
+        load_config(overrides=["env.kind=gym"])
+    # what earlier releases wrote into every run's config.toml: the flat table, no source set
+    old = tmp_path / "config.toml"
+    old.write_text('[env]\nname = ""\nagent = ""\nverifiers = ""\nopenenv = ""\nmax_turns = 4\n')
+    assert load_config(old).env is None

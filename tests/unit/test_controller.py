@@ -15,6 +15,7 @@ import pytest
 
 from rollflow.buffer import Admission, lags, withhold_stale
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.errors import TrainingError
 from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
 
@@ -85,11 +86,17 @@ async def test_stragglers_past_the_bound_are_withheld_not_dropped(tmp_path, run_
 async def test_cancelling_a_run_mid_step_still_accounts_every_started_prompt(tmp_path, tiny_config):
     engine = FakeEngine(token_delay=0.001)
     controller = Controller(
-        tiny_config(max_steps=1000, max_lag=1), tmp_path, engine=engine, trainer=FakeTrainer(step_s=0.05),
-        transport=NullTransport(), tokenizer=FakeTokenizer(),
+        tiny_config(max_steps=1000, max_lag=1),
+        tmp_path,
+        given=Given(
+            engine=engine,
+            trainer=FakeTrainer(step_s=0.05),
+            transport=NullTransport(),
+            tokenizer=FakeTokenizer(),
+        ),
     )
     task = asyncio.create_task(controller.run())
-    while getattr(controller, "accounting", None) is None or controller.accounting.trained < 12:
+    while getattr(controller, "flow", None) is None or controller.flow.accounting.trained < 12:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.02)  # most likely inside a trainer step now
     task.cancel()
@@ -106,8 +113,11 @@ async def test_an_output_directory_with_a_run_is_refused(tmp_path, tiny_config):
     from rollflow.errors import UserInputError
 
     (tmp_path / "ledger.jsonl").write_text('{"id": "x", "outcome": "trained", "step": 0}\n')
-    controller = Controller(tiny_config(), tmp_path, engine=FakeEngine(), trainer=FakeTrainer(),
-                            transport=NullTransport(), tokenizer=FakeTokenizer())
+    controller = Controller(
+        tiny_config(),
+        tmp_path,
+        given=Given(engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(), tokenizer=FakeTokenizer()),
+    )
     with pytest.raises(UserInputError, match="already holds a run"):
         await controller.run()
     assert (tmp_path / "ledger.jsonl").read_text().count("\n") == 1  # untouched
@@ -150,8 +160,9 @@ class _TimedTrainer(FakeTrainer):
 async def test_next_step_trains_while_the_engine_loads_the_last_weights(tmp_path, tiny_config):
     engine, trainer, transport = FakeEngine(token_delay=0.0005), _TimedTrainer(step_s=0.05), _SlowLoad(0.3)
     controller = Controller(
-        tiny_config(max_lag=2, max_steps=4), tmp_path, engine=engine, trainer=trainer, transport=transport,
-        tokenizer=FakeTokenizer(),
+        tiny_config(max_lag=2, max_steps=4),
+        tmp_path,
+        given=Given(engine=engine, trainer=trainer, transport=transport, tokenizer=FakeTokenizer()),
     )
     result = await asyncio.wait_for(controller.run(), 60)
     assert result.steps == 4 and engine.version == 4  # every step's weights reached the engine
@@ -209,8 +220,10 @@ async def test_groups_with_equal_rewards_are_filtered_and_replaced(tmp_path, tin
     config = tiny_config(max_steps=4)
     config = msgspec.structs.replace(config, rollout=msgspec.structs.replace(config.rollout, filter_equal_rewards=True))
     controller = Controller(
-        config, tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
-        tokenizer=FakeTokenizer(), reward_funcs={"half_constant": half_constant},
+        config,
+        tmp_path,
+        reward_funcs={"half_constant": half_constant},
+        given=Given(engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(), tokenizer=FakeTokenizer()),
     )
     result = await asyncio.wait_for(controller.run(), 60)
     assert result.steps == 4 and all(m["samples"] == 16 for m in result.metrics)  # every batch full
@@ -235,8 +248,10 @@ async def test_a_run_whose_every_group_is_filtered_stops_at_the_stall_timeout(tm
     config = tiny_config(max_steps=4, stall_timeout_s=1)
     config = msgspec.structs.replace(config, rollout=msgspec.structs.replace(config.rollout, filter_equal_rewards=True))
     controller = Controller(
-        config, tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
-        tokenizer=FakeTokenizer(), reward_funcs={"constant": constant},
+        config,
+        tmp_path,
+        reward_funcs={"constant": constant},
+        given=Given(engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(), tokenizer=FakeTokenizer()),
     )
     with pytest.raises(TrainingError, match=r"no step for \d+ s \(run.stall_timeout_s\).*filtered: equal rewards ×"):
         await asyncio.wait_for(controller.run(), 30)
@@ -249,8 +264,9 @@ async def test_soft_overlong_penalty_is_added_to_each_reward_as_a_part(tmp_path,
     config = tiny_config(max_tokens=12, max_steps=2)
     rollout = msgspec.structs.replace(config.rollout, overlong="soft", overlong_buffer=6)
     controller = Controller(
-        msgspec.structs.replace(config, rollout=rollout), tmp_path, engine=FakeEngine(), trainer=FakeTrainer(),
-        transport=NullTransport(), tokenizer=FakeTokenizer(),
+        msgspec.structs.replace(config, rollout=rollout),
+        tmp_path,
+        given=Given(engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(), tokenizer=FakeTokenizer()),
     )
     result = await asyncio.wait_for(controller.run(), 60)
     samples = [s for g in record_groups for s in g.samples if s.reward is not None]

@@ -9,6 +9,7 @@ import pytest
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.errors import EngineDeadError, WeightSyncError
 from rollflow.ledger import summarize
 from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
@@ -60,11 +61,13 @@ def make(tmp_path, engines: list[MortalEngine], die_after: list[int | None], kin
     return Controller(
         load_config(preset="tiny", overrides=overrides),
         tmp_path,
-        engine=new_engine(),
-        engine_factory=new_engine,
-        trainer=FakeTrainer(step_s=0.05),
-        transport=NullTransport(),
-        tokenizer=FakeTokenizer(),
+        given=Given(
+            engine=new_engine(),
+            engine_factory=new_engine,
+            trainer=FakeTrainer(step_s=0.05),
+            transport=NullTransport(),
+            tokenizer=FakeTokenizer(),
+        ),
     )
 
 

@@ -12,6 +12,7 @@ import pytest
 from rollflow.agent import AgentEpisode, run_agent
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.controller.stall import StallWatch
 from rollflow.envs import ChatFormat, EnvStep, EpisodeLimits, run_episode
 from rollflow.records import Message, Prompt, SamplingSpec
@@ -172,8 +173,12 @@ class Lifecycle:
 
 async def test_an_environment_class_with_start_and_aclose_is_an_episodes_environment(tmp_path, chat):
     config = load_config(preset="tiny", overrides=["run.max_steps=2", "sampling.max_tokens=6"])
-    controller = Controller(config, tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
-                            tokenizer=chat.tokenizer, env=Lifecycle)
+    controller = Controller(
+        config,
+        tmp_path,
+        env=Lifecycle,
+        given=Given(engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(), tokenizer=chat.tokenizer),
+    )
     result = await asyncio.wait_for(controller.run(), 60)
     assert result.steps == 2
     assert Lifecycle.started == 0 and Lifecycle.closed >= 2 * 4 * 4  # closed once per episode, never started
@@ -260,8 +265,11 @@ def reasoning_gym_run(tmp_path, *overrides, max_steps=3):
 
     config = load_config(preset="tiny", overrides=[*RG, f"run.max_steps={max_steps}", "sampling.max_tokens=6",
                                                    *overrides])
-    return Controller(config, tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
-                      tokenizer=FakeTokenizer())
+    return Controller(
+        config,
+        tmp_path,
+        given=Given(engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(), tokenizer=FakeTokenizer()),
+    )
 
 
 async def test_reasoning_gym_chunks_are_made_off_the_event_loop(tmp_path, monkeypatch):
@@ -351,15 +359,15 @@ def test_eval_and_generate_refuse_a_config_whose_samples_are_episodes(tmp_path, 
     run = tmp_path / "run"
     (run / "final").mkdir(parents=True)
     (run / "final" / "config.json").write_text("{}")
-    (run / "config.toml").write_text('[env]\nverifiers = "vf-sums"\n')
+    (run / "config.toml").write_text('[env]\nkind = "verifiers"\nenvironment = "vf-sums"\n')
     began = time.monotonic()
     assert main([command, "--run", str(run)]) == 2
-    assert "env.verifiers = 'vf-sums'" in capsys.readouterr().err
-    unreachable = ["--preset", "tiny", "--set", "env.openenv=openenv_sums:SumsClient",
-                   "--set", "env.openenv_url=http://127.0.0.1:9"]
+    assert "([env] kind = 'verifiers')" in capsys.readouterr().err
+    unreachable = ["--preset", "tiny", "--set", "env.kind=openenv",
+                   "--set", "env.client=openenv_sums:SumsClient", "--set", "env.url=http://127.0.0.1:9"]
     assert main([command, *unreachable]) == 2
     err = capsys.readouterr().err
-    assert "env.openenv = 'openenv_sums:SumsClient'" in err and "single-turn" in err
+    assert "([env] kind = 'openenv')" in err and "single-turn" in err
     assert time.monotonic() - began < 10  # refused before any model or engine loads
 
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from rollflow.controller.setup import Given
 from rollflow.envs import EnvStep, EpisodeLimits, episode_score, load_environment, run_episode
 from rollflow.envs.calculator import CalculatorEnv
 from rollflow.envs.retry import TRY_AGAIN, RetryEnv
@@ -278,6 +279,7 @@ async def test_controller_trains_episodes_with_environment_tokens_masked(tmp_pat
     config = load_config(
         preset="tiny",
         overrides=[
+            "env.kind=tool",
             "env.name=retry",
             "env.max_turns=3",
             "env.max_tokens=60",
@@ -289,8 +291,14 @@ async def test_controller_trains_episodes_with_environment_tokens_masked(tmp_pat
     )
     trainer = FakeTrainer()
     controller = Controller(
-        config, tmp_path, engine=FakeEngine(token_delay=0.001), trainer=trainer, transport=NullTransport(),
-        tokenizer=chat.tokenizer,
+        config,
+        tmp_path,
+        given=Given(
+            engine=FakeEngine(token_delay=0.001),
+            trainer=trainer,
+            transport=NullTransport(),
+            tokenizer=chat.tokenizer,
+        ),
     )
     result = await asyncio.wait_for(controller.run(), 100)
     assert result.steps == 3 and all(m["turns_mean"] > 1 for m in result.metrics)
@@ -342,11 +350,21 @@ async def test_stop_and_resume_restarts_unfinished_episodes_and_keeps_finished_o
     def make(**kwargs):
         config = load_config(
             preset="tiny",
-            overrides=["env.name=retry", "env.max_turns=3", "env.max_tokens=80", "sampling.max_tokens=8",
+            overrides=["env.kind=tool", "env.max_turns=3", "env.max_tokens=80", "sampling.max_tokens=8",
                        "run.max_steps=5", "run.max_lag=1", "observe.sinks=[]"],
         )
-        return Controller(config, tmp_path, engine=FakeEngine(token_delay=0.002), trainer=FakeTrainer(step_s=0.3),
-                          transport=NullTransport(), tokenizer=chat.tokenizer, env=SlowRetry, **kwargs)
+        return Controller(
+            config,
+            tmp_path,
+            env=SlowRetry,
+            **kwargs,
+            given=Given(
+                engine=FakeEngine(token_delay=0.002),
+                trainer=FakeTrainer(step_s=0.3),
+                transport=NullTransport(),
+                tokenizer=chat.tokenizer,
+            ),
+        )
 
     first = make(on_step=lambda row: row["step"] == 1 and first.request_stop())
     assert (await asyncio.wait_for(first.run(), 60)).stopped

@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollflow.config import Config, _to_toml, dump_config, load_config
+from rollflow.config import Config, _to_toml, dump_config, env_kinds, load_config
 from rollflow.errors import ConfigError, DataError
 from rollflow.ledger import read_ledger
 from rollflow.sampler import read_jsonl
@@ -19,7 +19,8 @@ from rollflow.sampler import read_jsonl
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 SECTIONS = list(Config.__struct_fields__)
-FIELDS = {name: list(getattr(Config(), name).__struct_fields__) for name in SECTIONS}
+FIELDS = {name: list(getattr(Config(), name).__struct_fields__) for name in SECTIONS if name != "env"}
+FIELDS["env"] = ["kind", *sorted({f for cls in env_kinds().values() for f in cls.__struct_fields__})]  # a tagged union
 
 scalars = st.one_of(
     st.booleans(),

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.metrics import ConsoleSink, JsonlSink, LoopLag, TensorBoardSink, flatten, histogram
 from rollflow.plots import lag_histogram, plot, report, union
 from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
@@ -74,8 +75,10 @@ async def test_metrics_count_unscorable_samples_by_reason(tmp_path, tiny_config)
         return out
 
     controller = Controller(
-        tiny_config(max_steps=3), tmp_path, engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
-        tokenizer=FakeTokenizer(), reward_funcs={"half": half},
+        tiny_config(max_steps=3),
+        tmp_path,
+        reward_funcs={"half": half},
+        given=Given(engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(), tokenizer=FakeTokenizer()),
     )
     result = await asyncio.wait_for(controller.run(), 60)
     counted = sum(m["unscorable"] for m in result.metrics)

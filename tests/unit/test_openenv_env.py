@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from rollflow.controller.setup import Given
 from rollflow.envs import EpisodeLimits, run_episode
 from rollflow.envs.openenv import OpenEnvSource, episode_seed, observation_text, text_action
 from rollflow.errors import ConfigError
@@ -105,11 +106,20 @@ async def test_waiting_for_a_free_session_is_not_the_environments_time(chat, ser
     from rollflow.testing import FakeEngine, FakeTrainer, NullTransport
 
     config = load_config(preset="tiny", overrides=[
-        "run.max_steps=1", "sampling.max_tokens=8", "env.max_turns=1", "env.step_timeout_s=0.5"])
+        "run.max_steps=1", "sampling.max_tokens=8", "env.kind=tool", "env.max_turns=1", "env.step_timeout_s=0.5"])
     # 2 sessions for 32 episodes in flight, each holding its session for about 0.25 s of model turn
     source = OpenEnvSource(openenv_sums.SumsClient, url=served, sessions=2, timeout_s=0.5)
-    controller = Controller(config, tmp_path, engine=FakeEngine(token_delay=0.03), trainer=FakeTrainer(),
-                            transport=NullTransport(), tokenizer=chat.tokenizer, env=source)
+    controller = Controller(
+        config,
+        tmp_path,
+        env=source,
+        given=Given(
+            engine=FakeEngine(token_delay=0.03),
+            trainer=FakeTrainer(),
+            transport=NullTransport(),
+            tokenizer=chat.tokenizer,
+        ),
+    )
     result = await asyncio.wait_for(controller.run(), 60)
     assert result.steps == 1 and result.metrics[0]["unscorable"] == 0
     assert "unscorable" not in result.dropped, (tmp_path / "ledger.jsonl").read_text()[:400]
@@ -148,7 +158,7 @@ async def test_an_unreachable_server_is_named_within_seconds():
 
     url = f"http://127.0.0.1:{unused_port()}"
     began = time.monotonic()
-    with pytest.raises(ConfigError, match=rf"env.openenv_url: no OpenEnv server answers at {url}"):
+    with pytest.raises(ConfigError, match=rf"env.url: no OpenEnv server answers at {url}"):
         await OpenEnvSource(openenv_sums.SumsClient, url=url).start()
     assert time.monotonic() - began < 6
 
@@ -174,7 +184,7 @@ def test_text_becomes_the_client_action_and_an_observation_text():
 def test_a_client_without_a_text_action_asks_for_a_function():
     from openenv.core.generic_client import GenericEnvClient
 
-    with pytest.raises(ConfigError, match="env.openenv_action: GenericEnvClient declares no pydantic action class"):
+    with pytest.raises(ConfigError, match="env.action: GenericEnvClient declares no pydantic action class"):
         text_action(GenericEnvClient)
     with pytest.raises(ConfigError, match="not an OpenEnv client"):
         OpenEnvSource(dict, url="http://127.0.0.1:1")

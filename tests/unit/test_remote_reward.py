@@ -14,6 +14,7 @@ from aiohttp import ClientSession, web
 
 from rollflow.config import RewardConfig, dump_config, load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.ledger import summarize
 from rollflow.scoring import make_reward
 from rollflow.scoring.remote import RemoteReward, RemoteRewardError
@@ -134,8 +135,14 @@ async def test_a_run_with_a_failing_reward_server_completes_and_counts_every_fai
         f'scoring.rewards=[{{name="remote", url="{url}", timeout_s=0.3, max_retries=1, backoff_s=0.01}}]',
     ]
     controller = Controller(
-        load_config(preset="tiny", overrides=settings), tmp_path / "run", engine=FakeEngine(token_delay=0.001),
-        trainer=FakeTrainer(), transport=NullTransport(), tokenizer=FakeTokenizer(),
+        load_config(preset="tiny", overrides=settings),
+        tmp_path / "run",
+        given=Given(
+            engine=FakeEngine(token_delay=0.001),
+            trainer=FakeTrainer(),
+            transport=NullTransport(),
+            tokenizer=FakeTokenizer(),
+        ),
     )
     result = await asyncio.wait_for(controller.run(), 120)
     assert result.steps == 4

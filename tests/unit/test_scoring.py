@@ -10,6 +10,7 @@ import time
 import pytest
 
 from rollflow.config import RewardConfig, ScoringConfig
+from rollflow.controller.setup import Given
 from rollflow.errors import ConfigError
 from rollflow.records import Message, Prompt
 from rollflow.scoring import NO_REWARD, Reward, Scored, Scorer, digits, make_reward, make_rewards
@@ -200,8 +201,10 @@ async def test_a_slow_reward_runs_beside_generation_within_its_concurrency_bound
         overrides=["run.max_steps=3", "run.max_lag=2", "scoring.max_concurrency=2", "observe.sinks=[]"],
     )
     controller = Controller(
-        config, tmp_path, engine=engine, trainer=FakeTrainer(), transport=NullTransport(), tokenizer=FakeTokenizer(),
+        config,
+        tmp_path,
         reward_funcs={"judge": slow_judge},
+        given=Given(engine=engine, trainer=FakeTrainer(), transport=NullTransport(), tokenizer=FakeTokenizer()),
     )
     result = await asyncio.wait_for(controller.run(), 50)
     assert result.steps == 3

@@ -15,6 +15,7 @@ import pytest
 from rollflow.cli import main
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.records import SamplingSpec
 from rollflow.sim import Scenario, simulate
 from rollflow.sim.components import EngineProfile, LengthModel, SimEngine, SimTrainer, SimTransport, TrainerProfile
@@ -116,8 +117,15 @@ def _controller(output_dir, clock):
     )
     trainer_profile = TrainerProfile(s_per_token=0.0, fixed_s=0.15, sync_fixed_s=0.02)
     return Controller(
-        config, output_dir, engine=FakeEngine(token_delay=0.01), runner=SimTrainer(trainer_profile),
-        transport=SimTransport(trainer_profile), tokenizer=FakeTokenizer(prompt_tokens=16), clock=clock,
+        config,
+        output_dir,
+        given=Given(
+            engine=FakeEngine(token_delay=0.01),
+            runner=SimTrainer(trainer_profile),
+            transport=SimTransport(trainer_profile),
+            tokenizer=FakeTokenizer(prompt_tokens=16),
+            clock=clock,
+        ),
     )
 
 

@@ -87,14 +87,13 @@ def test_unknown_and_broken_environments_are_refused_with_their_names():
         VerifiersEnv("vf-sums", {"rows": 3})
 
 
-def test_the_config_names_conflicting_and_orphan_settings():
+def test_the_config_refuses_held_out_evaluation_it_cannot_apply():
     from rollflow.checks import training_problems
 
-    config = load_config(preset="tiny", overrides=["env.verifiers=vf-sums", "env.agent=x:y", "run.eval_prompts=4"])
+    config = load_config(preset="tiny", overrides=["env.kind=verifiers", "env.environment=vf-sums",
+                                                   "run.eval_prompts=4"])
     problems = " | ".join(training_problems(config))
-    assert "one source of episodes at a time" in problems and "run.eval_prompts" in problems
-    orphan = load_config(preset="tiny", overrides=["env.verifiers_args={n = 3}"])
-    assert any("env.verifiers_args: set without env.verifiers" in p for p in training_problems(orphan))
+    assert "run.eval_prompts: held-out evaluation scores single turns" in problems and "'verifiers'" in problems
 
 
 BAD_ENVIRONMENTS = {
@@ -184,7 +183,7 @@ async def test_a_blocking_rubric_function_runs_off_the_loop_and_its_episode_time
 
 @pytest.mark.usefixtures("bad_environments")
 def test_an_environment_that_exits_or_returns_the_wrong_type_is_refused_naming_it():
-    with pytest.raises(ConfigError, match=r"env.verifiers: loading 'vf-exits' called sys.exit\(0\)"):
+    with pytest.raises(ConfigError, match=r"env.environment: loading 'vf-exits' called sys.exit\(0\)"):
         VerifiersEnv("vf-exits")
     with pytest.raises(ConfigError, match=r"'vf-not-an-env''s load_environment returned dict, not an Environment"):
         VerifiersEnv("vf-not-an-env")

@@ -82,20 +82,20 @@ def test_shm_loads_of_the_same_plan_reuse_the_views_and_read_the_rewritten_bytes
     try:
         sender.write(plan, incoming.items())
         assert w.rollflow_shm_load(sender.name, plan.encode()) == plan.total_bytes
-        views = w._rollflow_shm_views_of[1][1]
+        views = w._rollflow_shm._views[1][1]
         again = {name: tensor + 10 for name, tensor in incoming.items()}
         sender.write(plan, again.items())  # in place, as between two updates
         assert w.rollflow_shm_load(sender.name, plan.encode()) == plan.total_bytes
-        assert w._rollflow_shm_views_of[1][1] is views  # not made again
+        assert w._rollflow_shm._views[1][1] is views  # not made again
         assert all(torch.equal(model.params[name], tensor) for name, tensor in again.items())
         # Another plan (here: fewer tensors, in the same segment) gets views of its own.
         fewer = dict(list(incoming.items())[:2])
         smaller = plan_buckets([(name, t.dtype, tuple(t.shape)) for name, t in fewer.items()])
         sender.write(smaller, fewer.items())
         w.rollflow_shm_load(sender.name, smaller.encode())
-        assert [name for name, _ in w._rollflow_shm_views_of[1][1]] == list(fewer)
+        assert [name for name, _ in w._rollflow_shm._views[1][1]] == list(fewer)
         assert all(torch.equal(model.params[name], tensor) for name, tensor in fewer.items())
-        w._rollflow_shm_close()
-        assert w._rollflow_shm is None and w._rollflow_shm_views_of is None
+        w._rollflow_shm.close()
+        assert w._rollflow_shm._mapping is None and w._rollflow_shm._views is None
     finally:
         sender.close()

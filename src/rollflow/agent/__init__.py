@@ -1,7 +1,7 @@
 """Agents written against the OpenAI chat API, trained as they are.
 
-`env.agent = "module:function"` names `async def agent(task, base_url) -> float | None` (a sync
-function runs in a thread). For each episode the run opens a base URL on its OpenAI-compatible
+`[env] kind = "agent"`, `function = "module:function"` names `async def agent(task, base_url)
+-> float | None` (a sync function runs in a thread). For each episode the run opens a base URL on its OpenAI-compatible
 endpoint (`rollflow.agent.server`), calls the agent with the episode's `AgentTask` and that URL,
 and records every completion it serves token-in/token-out (`rollflow.agent.episode`): the
 sampled tokens exactly, their behaviour log-probs and per-token versions, the agent's tool results
@@ -10,35 +10,40 @@ and messages masked out of the loss.
 The agent's return value is the episode's reward (the part `env`); None leaves scoring to
 `[[scoring.rewards]]`, which read the episode's last conversation as the completion. An agent that
 raises, returns something other than a finite number or None, or runs past `env.episode_timeout_s`
-makes its episode unscorable with the reason; the run goes on. A verifiers environment
-(`env.verifiers`) is such an agent too (`rollflow.agent.verifiers`), with its own prompts. This
-module does not generate (the producer's `generate` does) or score.
+makes its episode unscorable with the reason; the run goes on. `AgentEpisodes` is the source of
+such episodes (`rollflow.envs.source`); a verifiers environment (`kind = "verifiers"`) is such an
+agent too (`rollflow.agent.verifiers`), with its own prompts. This module does not generate (the
+producer's `generate` does) or score.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import msgspec
 
 from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
 from rollflow.agent.http import http_client
 from rollflow.agent.server import AgentServer
-from rollflow.config import EnvConfig
+from rollflow.config import AgentEnvConfig, Config, EndpointConfig
 from rollflow.data_files import Row
-from rollflow.records import Prompt, Sample
+from rollflow.envs import EpisodeLimits, GenerateTurn, Served
+from rollflow.envs.source import EpisodeContext, EpisodeSource
+from rollflow.errors import ConfigError
+from rollflow.imports import load_function
+from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.scoring import finite, is_async, shown
 
 __all__ = [
     "AgentEpisode",
+    "AgentEpisodes",
     "AgentServer",
     "AgentTask",
     "BadRequest",
-    "PromptSource",
     "Reply",
-    "agent_source",
+    "agent_episodes",
     "http_client",
     "load_agent",
     "run_agent",
@@ -81,29 +86,72 @@ def task_of(prompt: Prompt, model: str) -> AgentTask:
 
 
 def load_agent(name: str) -> Agent:
-    """The function `env.agent` names (`module:function`)."""
-    from rollflow.scoring import load_function
-
-    return load_function(name, "env.agent")
+    """The function `env.function` names (`module:function`)."""
+    return load_function(name, "env.function")
 
 
-def agent_source(config: EnvConfig) -> Agent | None:
-    """The agent the config names: `env.agent`, or a verifiers environment (`env.verifiers`,
-    whose rollouts play the episodes), or None."""
-    if config.agent:
-        return load_agent(config.agent)
-    if config.verifiers:
-        from rollflow.agent.verifiers import VerifiersEnv
+class AgentEpisodes(EpisodeSource):
+    """Programs that drive the model themselves, as a source of episodes: each episode runs
+    `agent` against its own base URL on the run's endpoint (`AgentServer`, started with the
+    source), within `settings`' limits. `rows`: makes the prompts the agent brings (a verifiers
+    environment's dataset). An agent that holds something for the run (`Served`) is started and
+    closed with the source."""
 
-        return VerifiersEnv(config.verifiers, config.verifiers_args)
-    return None
+    settings: EndpointConfig
+
+    def __init__(
+        self,
+        agent: Agent,
+        settings: EndpointConfig,
+        *,
+        model: str,
+        sampling: SamplingSpec,
+        rows: Callable[[], list[Row]] | None = None,
+    ) -> None:
+        self.agent = agent
+        self.settings = settings
+        self._rows = rows
+        self.server = AgentServer(
+            model, sampling, host=settings.host, port=settings.port, call_timeout_s=settings.step_timeout_s
+        )
+
+    async def start(self) -> None:
+        if isinstance(self.agent, Served):
+            await self.agent.start()
+        await self.server.start()
+
+    async def aclose(self) -> None:
+        await self.server.aclose()
+        if isinstance(self.agent, Served):
+            await self.agent.aclose()
+
+    def rows(self) -> list[Row] | None:
+        return self._rows() if self._rows is not None else None
+
+    async def play(
+        self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
+    ) -> Sample:
+        limits = EpisodeLimits(
+            max_turns=self.settings.max_turns,
+            max_tokens=self.settings.max_tokens,
+            max_model_len=context.max_model_len,
+            step_timeout_s=self.settings.step_timeout_s,
+        )
+        episode = AgentEpisode(prompt, context.sampling, generate, context.chat, limits)
+        return await run_agent(
+            self.agent, episode, self.server, group_id=group_id, index=index, timeout_s=self.settings.episode_timeout_s
+        )
 
 
-@runtime_checkable
-class PromptSource(Protocol):
-    """An agent that brings its own prompts (a verifiers environment's dataset)."""
+def agent_episodes(settings: AgentEnvConfig, config: Config, agent: Agent | None = None) -> AgentEpisodes:
+    """`kind = "agent"`: the function `settings.function` names, or `agent` (passed in Python)."""
+    from rollflow.evaluate import sampling_spec
 
-    def rows(self) -> list[Row]: ...
+    if agent is None:
+        if not settings.function:
+            raise ConfigError('env.function: kind = "agent" needs the agent, "module:function"')
+        agent = load_agent(settings.function)
+    return AgentEpisodes(agent, settings, model=config.model.path, sampling=sampling_spec(config))
 
 
 async def run_agent(

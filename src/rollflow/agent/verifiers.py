@@ -1,7 +1,8 @@
-"""verifiers environments (prime-rl's standard), trained as they are: `env.verifiers = "ENV_ID"`.
+"""verifiers environments (prime-rl's standard), trained as they are: `[env] kind = "verifiers"`.
 
 The environment is loaded with verifiers' own loader (`verifiers.load_environment(ENV_ID,
-**env.verifiers_args)`: an installed package or module with a `load_environment` function). Its
+**env.args)`, `env.environment = "ENV_ID"`: an installed package or module with a
+`load_environment` function). Its
 dataset gives the run's prompts (`rows`), and each episode is the environment's own rollout
 (`Environment.run_rollout`: its turns, tools, parser and rubric, unchanged) against the run's
 OpenAI-compatible endpoint, which records every token with its log-prob and version
@@ -26,8 +27,9 @@ import pkgutil
 from importlib import metadata
 from typing import Any
 
-from rollflow.agent import AgentTask
+from rollflow.agent import AgentEpisodes, AgentTask
 from rollflow.agent.http import http_client
+from rollflow.config import Config, VerifiersEnvConfig
 from rollflow.data_files import Row
 from rollflow.envs import Served
 from rollflow.errors import ConfigError, DataError
@@ -60,11 +62,11 @@ def _library() -> Any:
     try:
         version = metadata.version("verifiers")
     except metadata.PackageNotFoundError:
-        raise ConfigError(f"env.verifiers: needs the verifiers package; {EXTRA}") from None
+        raise ConfigError(f"env.environment: needs the verifiers package; {EXTRA}") from None
     low, high = SUPPORTED
     if not low <= _version_tuple(version) < high:
         raise ConfigError(
-            f"env.verifiers: verifiers {version} is installed; rollflow trains environments of verifiers "
+            f"env.environment: verifiers {version} is installed; rollflow trains environments of verifiers "
             f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))} (Environment.run_rollout; tested with 0.1.14): "
             f"{EXTRA}"
         )
@@ -139,27 +141,27 @@ class VerifiersEnv(Served):
             close = _close_modules(module)
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             raise ConfigError(
-                f"env.verifiers: no verifiers environment {env_id!r} is installed (no module {module!r}){hint}"
+                f"env.environment: no verifiers environment {env_id!r} is installed (no module {module!r}){hint}"
             )
         try:
             env = vf.load_environment(env_id, **(args or {}))
         except SystemExit as err:  # an environment module that exits must not end the run silently
-            raise ConfigError(f"env.verifiers: loading {env_id!r} called sys.exit({err.code!r})") from None
+            raise ConfigError(f"env.environment: loading {env_id!r} called sys.exit({err.code!r})") from None
         except Exception as err:  # verifiers wraps the environment's own error; show what it was
             cause = err.__cause__ or err
             if isinstance(cause, AttributeError) and cause.name == "env_id" and cause.obj is not None:
                 env = cause.obj  # verifiers labels what load_environment returned: not an Environment
             else:
                 raise ConfigError(
-                    f"env.verifiers: {env_id!r} could not be loaded: {type(cause).__name__}: {cause}"
+                    f"env.environment: {env_id!r} could not be loaded: {type(cause).__name__}: {cause}"
                 ) from None
         if not isinstance(env, vf.Environment):
             raise ConfigError(
-                f"env.verifiers: {env_id!r}'s load_environment returned {type(env).__name__}, not an Environment"
+                f"env.environment: {env_id!r}'s load_environment returned {type(env).__name__}, not an Environment"
             )
         if env.rubric.has_group_rewards:
             raise ConfigError(
-                f"env.verifiers: {env_id!r}'s rubric has group-level reward functions; rollflow scores each "
+                f"env.environment: {env_id!r}'s rubric has group-level reward functions; rollflow scores each "
                 "episode on its own (its group advantages are rollflow's)"
             )
         self.env_id = env_id
@@ -199,7 +201,7 @@ class VerifiersEnv(Served):
                 )
             )
         if not rows:
-            raise DataError(f"env.verifiers: {self.env_id!r} has an empty dataset")
+            raise DataError(f"env.environment: {self.env_id!r} has an empty dataset")
         return rows
 
     async def __call__(self, task: AgentTask, base_url: str) -> float:
@@ -243,3 +245,12 @@ class VerifiersEnv(Served):
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+
+def episodes(settings: VerifiersEnvConfig, config: Config) -> AgentEpisodes:
+    """`kind = "verifiers"`: the environment loaded now (a bad id or load fails at start), its
+    dataset as the run's prompts, each episode its own rollout through the run's endpoint."""
+    from rollflow.evaluate import sampling_spec
+
+    env = VerifiersEnv(settings.environment, settings.args)
+    return AgentEpisodes(env, settings, model=config.model.path, sampling=sampling_spec(config), rows=env.rows)

@@ -2,10 +2,11 @@
 
 `Producer.run` waits for room under the capacity rule (`buffer.Admission`), draws the next
 prompt and launches its group as one task; the group's G rollouts stream concurrently (single
-turns, or multi-turn episodes with an environment or an OpenAI-API agent), each surviving
-engine deaths through the supervisor; the finished samples are scored beside generation, get
-group-relative advantages and go into the buffer (`controller.groups`, mixed in). A group that
-cannot be used is dropped with its reason in the ledger and gives its admission room back.
+turns, or multi-turn episodes played by the run's episode source, `rollflow.envs.source`), each
+surviving engine deaths through the supervisor; the finished samples are scored beside generation
+(`controller.groups.score_group`) and go into the buffer. A group that cannot be used is dropped
+with its reason in the ledger and gives its admission room back: every drop, admission release
+and stall notice is made here.
 
 Every group lives in ONE registry (`in_flight`) from launch until it is buffered or dropped:
 its prompt, its samples' progress (what a checkpoint saves) and its task. The producer does
@@ -15,88 +16,49 @@ not train and does not move weights.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from rollflow.agent import Agent, AgentEpisode, AgentServer, run_agent
-from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import PendingGroup
 from rollflow.config import Config
-from rollflow.controller.accounting import Accounting
-from rollflow.controller.groups import GroupScoring, InFlight
-from rollflow.controller.stall import StallWatch
-from rollflow.controller.supervisor import Supervisor
-from rollflow.envs import ChatFormat, EnvFactory, EpisodeLimits, open_environment, run_episode
+from rollflow.controller.groups import Dropped, InFlight, Scoring, score_group
+from rollflow.controller.setup import Components, Flow
+from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.errors import EngineDeadError, EngineError, UnusablePrompt
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import PartialSample, Progress, rollout, unusable
-from rollflow.sampler import Sampler
 from rollflow.scoring import Scorer
-from rollflow.trace import Trace
 
 
-class Producer(GroupScoring):
+class Producer:
     """Turns prompts into scored groups in the buffer, as fast as admission allows."""
 
     def __init__(
         self,
         config: Config,
-        *,
-        sampler: Sampler,
-        admission: Admission,
-        buffer: GroupBuffer,
-        supervisor: Supervisor,
+        flow: Flow,
+        parts: Components,
         scorer: Scorer,
-        accounting: Accounting,
-        tokenizer: Any,
-        trace: Trace,
-        clock: Callable[[], float],
+        episodes: EpisodeSource | None,
         spec: SamplingSpec,
-        env: EnvFactory | None = None,
-        agent: Agent | None = None,
-        chat: ChatFormat | None = None,
-        stall: StallWatch,
-        teacher: Any = None,
     ) -> None:
+        """`config`: the run's, made concrete by `build`; `flow`: what the producer shares with
+        the training loop; `parts`: the sampler, tokenizer, chat format and teacher it uses;
+        `episodes`: plays each sample's episode (None: single-turn samples); `spec`: the run's
+        sampling."""
         self.config = config
-        self.sampler = sampler
-        self.admission = admission
-        self.buffer = buffer
-        self.supervisor = supervisor
-        self.scorer = scorer
-        self.accounting = accounting
-        self.tokenizer = tokenizer
-        self.trace = trace
-        self.clock = clock
+        self.flow = flow
+        self.sampler = parts.sampler
         self.spec = spec
-        self.env = env
-        """Makes each episode's environment; None: single-turn samples."""
-        self.agent = agent
-        """Runs each episode against `agent_server` instead of an environment."""
-        self.agent_server = (
-            AgentServer(
-                config.model.path,
-                spec,
-                host=config.env.agent_host,
-                port=config.env.agent_port,
-                call_timeout_s=config.env.step_timeout_s,
-            )
-            if agent is not None
+        self.episodes = episodes
+        self.context = (
+            EpisodeContext(chat=parts.chat, sampling=spec, max_model_len=config.engine.max_model_len)
+            if parts.chat is not None
             else None
         )
-        self.episodes = env is not None or agent is not None
-        """Samples are multi-turn episodes (an environment's or an agent's)."""
-        self.chat = chat
-        self.teacher = teacher
-        """On-policy distillation: scores the student's tokens (`scoring.teacher`)."""
-        self.stall = stall
-        """Told of every group dropped as failed and every group buffered (the stop rule)."""
-        self.limits = EpisodeLimits(
-            max_turns=config.env.max_turns,
-            max_tokens=config.env.max_tokens,
-            max_model_len=config.engine.max_model_len,
-            step_timeout_s=config.env.step_timeout_s,
+        """What every episode is played with (only with episodes)."""
+        self._teacher_thread = ThreadPoolExecutor(1, "rollflow-teacher")
+        self.scoring = Scoring(
+            config, scorer, parts.tokenizer, parts.teacher, self._teacher_thread, flow.trace, flow.clock
         )
         self.in_flight: dict[str, InFlight] = {}
         """Every group launched and not yet buffered or dropped, by prompt id."""
@@ -112,7 +74,6 @@ class Producer(GroupScoring):
         """Wall time with at least one group generating (the engine's busy time)."""
         self._busy_since: float | None = None
         self._generating = 0
-        self._teacher_thread = ThreadPoolExecutor(1, "rollflow-teacher")
 
     # ---- launching groups -----------------------------------------------------------------
 
@@ -121,7 +82,7 @@ class Producer(GroupScoring):
         for pending in self.resume_from:  # groups in flight at the checkpoint continue first
             self._launch(tg, pending.prompt, pending.group_id, pending.samples)
         self.resume_from = []
-        while await self.admission.acquire(group_size):
+        while await self.flow.admission.acquire(group_size):
             try:
                 prompt = await self.sampler.draw()
             except UnusablePrompt as err:
@@ -138,14 +99,14 @@ class Producer(GroupScoring):
     async def _refuse(self, prompt_id: str, reason: str) -> None:
         """A drawn prompt is dropped before it is sent, giving its admission room back."""
         self.consumed.append(prompt_id)
-        self.accounting.drop(prompt_id, reason)
-        self.stall.failed(reason)
-        await self.admission.release(self.config.rollout.group_size)
+        self.flow.accounting.drop(prompt_id, reason)
+        self.flow.stall.failed(reason)
+        await self.flow.admission.release(self.config.rollout.group_size)
         await asyncio.sleep(0)  # nothing above may wait: let the rest of the run see the drop
 
     def _launch(self, tg: asyncio.TaskGroup, prompt: Prompt, group_id: str, start: list[PartialSample]) -> None:
         if self._generating == 0:
-            self._busy_since = self.clock()
+            self._busy_since = self.flow.clock()
         self._generating += 1
         entry = InFlight(prompt, group_id, [Progress(s) for s in start])
         self.in_flight[prompt.id] = entry
@@ -160,29 +121,51 @@ class Producer(GroupScoring):
             if entry.settled:
                 self.in_flight.pop(entry.prompt.id, None)
 
+    async def _score(self, entry: InFlight, samples: list[Sample]) -> None:
+        """The group into the buffer, or dropped with its reason (its admission room back)."""
+        flow = self.flow
+        try:
+            scored = await score_group(self.scoring, entry.prompt, samples)
+        except asyncio.CancelledError:
+            if not flow.accounting.pending_held:
+                self._drop(entry, "run ended: being scored", abandoned=len(samples))
+            raise
+        if isinstance(scored, Dropped):
+            if scored.failed:
+                self._fail(entry, scored.reason)
+            else:
+                self._drop(entry, scored.reason)
+                flow.stall.filtered(scored.reason)
+                self.filtered += 1
+            await flow.admission.release(len(samples))
+            return
+        await flow.buffer.put(scored)
+        entry.settled = True
+        flow.stall.buffered()
+
     def _drop(self, entry: InFlight, reason: str, *, abandoned: int = 0) -> None:
         """The group ends without training; `abandoned`: samples the run's end left unfinished."""
         entry.settled = True
         if abandoned:
-            self.accounting.abandon(entry.prompt.id, reason, abandoned)
+            self.flow.accounting.abandon(entry.prompt.id, reason, abandoned)
         else:
-            self.accounting.drop(entry.prompt.id, reason)
+            self.flow.accounting.drop(entry.prompt.id, reason)
 
     def _fail(self, entry: InFlight, reason: str) -> None:
         """The group is dropped as failed: nothing of it can be trained (the stop rule counts it)."""
         self._drop(entry, reason)
-        self.stall.failed(reason)
+        self.flow.stall.failed(reason)
 
     def _generated(self, entry: InFlight) -> None:
         entry.generating = False
         self._generating -= 1
         if self._generating == 0 and self._busy_since is not None:
-            self.engine_busy_s += self.clock() - self._busy_since
+            self.engine_busy_s += self.flow.clock() - self._busy_since
             self._busy_since = None
 
     def busy_total(self) -> float:
         """Engine busy time so far, counting the current busy stretch."""
-        current = self.clock() - self._busy_since if self._busy_since is not None else 0.0
+        current = self.flow.clock() - self._busy_since if self._busy_since is not None else 0.0
         return self.engine_busy_s + current
 
     # ---- generating -------------------------------------------------------------------------
@@ -204,12 +187,12 @@ class Producer(GroupScoring):
             await asyncio.gather(*tasks, return_exceptions=True)
             self._generated(entry)
             if isinstance(err, asyncio.CancelledError):
-                if not self.accounting.pending_held:
+                if not self.flow.accounting.pending_held:
                     self._drop(entry, "run ended: in flight", abandoned=len(tasks))
                 raise
             if isinstance(err, EngineError) and not isinstance(err, EngineDeadError):
                 self._fail(entry, f"engine error: {err}")
-                await self.admission.release(len(tasks))
+                await self.flow.admission.release(len(tasks))
                 return None
             self._drop(entry, f"run failed: {err}")  # the error ends the run; the prompt is still accounted for
             raise
@@ -218,23 +201,25 @@ class Producer(GroupScoring):
         return samples
 
     async def _rollout(self, prompt: Prompt, group_id: str, index: int, progress: Progress) -> Sample:
-        lane = self.trace.lane()
-        version, began = self.supervisor.engine.version, self.clock()
+        lane = self.flow.trace.lane()
+        version, began = self.flow.supervisor.engine.version, self.flow.clock()
         try:
-            if not self.episodes:
+            if self.episodes is None:
                 sample = await self._stream(prompt, self.spec, group_id, index, progress)
             else:
                 sample = await self._episode(prompt, group_id, index, progress)
         except BaseException:
-            self.trace.span("generate (ended early)", lane, began, self.clock(), prompt=prompt.id, sample=index)
+            self.flow.trace.span(
+                "generate (ended early)", lane, began, self.flow.clock(), prompt=prompt.id, sample=index
+            )
             raise
         finally:
-            self.trace.release(lane)
-        self.trace.span(
+            self.flow.trace.release(lane)
+        self.flow.trace.span(
             "generate",
             lane,
             began,
-            self.clock(),
+            self.flow.clock(),
             prompt=prompt.id,
             sample=index,
             tokens=sample.num_tokens,
@@ -250,7 +235,7 @@ class Producer(GroupScoring):
     ) -> Sample:
         """One generation, carried over to a new engine (from the tokens it had) if the engine dies."""
         partial = self.config.rollout.partial
-        return await self.supervisor.persist(
+        return await self.flow.supervisor.persist(
             lambda engine: rollout(
                 engine, prompt, spec, group_id=group_id, index=index, partial=partial, progress=progress
             )
@@ -259,7 +244,7 @@ class Producer(GroupScoring):
     async def _episode(self, prompt: Prompt, group_id: str, index: int, progress: Progress) -> Sample:
         """A multi-turn episode. Its progress is saved only once it is done: a checkpoint taken
         mid-episode restarts it from its prompt (an environment's state cannot be saved)."""
-        assert self.chat is not None
+        assert self.episodes is not None and self.context is not None
         if progress.saved.done is not None:  # finished before the checkpoint this run resumed from
             return progress.saved.done
 
@@ -267,23 +252,7 @@ class Producer(GroupScoring):
             turn_prompt = Prompt(id=prompt.id, token_ids=token_ids)
             return await self._stream(turn_prompt, spec, f"{group_id}/t{n}", index, Progress())
 
-        if self.agent is not None:
-            assert self.agent_server is not None
-            episode = AgentEpisode(prompt, self.spec, turn, self.chat, self.limits)
-            sample = await run_agent(
-                self.agent,
-                episode,
-                self.agent_server,
-                group_id=group_id,
-                index=index,
-                timeout_s=self.config.env.episode_timeout_s,
-            )
-        else:
-            assert self.env is not None
-            env = await open_environment(self.env)
-            sample = await run_episode(
-                env, prompt, self.spec, turn, self.chat, group_id=group_id, index=index, limits=self.limits
-            )
+        sample = await self.episodes.play(prompt, group_id=group_id, index=index, generate=turn, context=self.context)
         progress.saved = PartialSample(done=sample)
         return sample
 
@@ -291,7 +260,7 @@ class Producer(GroupScoring):
 
     def snapshot(self) -> list[PendingGroup]:
         """Every group in flight with each sample's progress, at this instant."""
-        engine = self.supervisor.engine
+        engine = self.flow.supervisor.engine
         return [
             PendingGroup(prompt=e.prompt, group_id=e.group_id, samples=[p.snapshot(engine) for p in e.progress])
             for e in self.in_flight.values()
@@ -310,12 +279,5 @@ class Producer(GroupScoring):
         self.in_flight.clear()
         return ids
 
-    async def start(self) -> None:
-        """Open the agents' endpoint (with `env.agent`)."""
-        if self.agent_server is not None:
-            await self.agent_server.start()
-
     async def aclose(self) -> None:
         self._teacher_thread.shutdown(wait=False)
-        if self.agent_server is not None:
-            await self.agent_server.aclose()

@@ -1,47 +1,116 @@
-"""Building a run's heavy components from its config, unless the caller passed its own.
+"""Building a run from its config: first what is checked and light (`prepare`, when the
+controller is made), then the heavy components (`build`, when it runs), unless the caller
+passed its own.
 
+`prepare` refuses settings a run cannot use (`rollflow.checks`), parses the task, makes the
+source of episodes (`rollflow.envs.source`) and the scorers, and returns them as one `Plan`.
 `build` returns one `Components` record: tokenizer, sampler, the trainer and the runner its
 calls go through, the distillation teacher, the engine and how to build a replacement, and the
-weight transport. Tests pass fakes (`rollflow.testing`) and the simulator passes timed ones;
-whatever is not given is built here. Nothing is started here: the controller starts the engine.
+weight transport. `Flow` is what the producer and the training loop share. Tests pass fakes
+(`rollflow.testing`) and the simulator passes timed ones (`Given`); whatever is not given is
+built here. Nothing is started here: the controller starts the engine and the episode source.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from rollflow.checks import context_problem
+from rollflow.buffer import Admission, GroupBuffer
+from rollflow.checks import check_task, check_training, context_problem
 from rollflow.config import Config
+from rollflow.controller.accounting import Accounting
+from rollflow.controller.stall import StallWatch
+from rollflow.controller.supervisor import Supervisor
 from rollflow.controller.trainer_thread import TrainerRunner, TrainerThread
 from rollflow.data_files import Row
 from rollflow.engine import ManagedEngine
 from rollflow.engine.environment import model_context, resolve_context
-from rollflow.engine.factory import make_engine
+from rollflow.engine.factory import check_engines, make_engine
 from rollflow.envs import ChatFormat
+from rollflow.envs.source import EpisodeSource, episode_source
 from rollflow.errors import ConfigError
 from rollflow.models import check_chat_template, load_tokenizer, prompt_encoder, resolve_model
 from rollflow.sampler import Sampler
+from rollflow.scoring import RewardFunc, Scorer, eval_scorer, make_rewards
 from rollflow.tasks import Task
+from rollflow.trace import Trace
 from rollflow.trainer import TrainerBackend
 from rollflow.weight_sync import WeightTransport, make_transport
 
 
 @dataclass
 class Given:
-    """What the caller passed instead of building from the config (None: build it)."""
+    """What the caller passed instead of building from the config (None: build it), and the
+    run's clock (the simulator's is virtual)."""
 
     engine: ManagedEngine | None = None
     engine_factory: Callable[[], ManagedEngine] | None = None
+    """Builds a replacement when the engine in use dies (default: a new one like the first;
+    none for a given engine)."""
     trainer: TrainerBackend | None = None
     runner: TrainerRunner | None = None
+    """Runs the trainer's calls (default: one dedicated thread)."""
     transport: WeightTransport | None = None
     tokenizer: Any = None
+    clock: Callable[[], float] = time.monotonic
+
+
+@dataclass
+class Plan:
+    """What `prepare` checked and made: everything a run needs before its heavy parts load."""
+
+    config: Config
+    task: Task
+    """`data.task`, parsed and checked (a verifiers environment brings its own prompts)."""
+    episodes: EpisodeSource | None
+    """Plays each sample's episode; None: single-turn samples."""
+    scorer: Scorer
+    """Every training reward, run on whole groups beside generation."""
+    eval_scorer: Scorer
+    """Scores held-out evaluations with `run.reward`."""
+
+
+def prepare(
+    config: Config,
+    *,
+    reward_funcs: dict[str, RewardFunc] | None = None,
+    env: Any = None,
+    agent: Any = None,
+) -> Plan:
+    """Refuse what the run cannot use (each error names its keys; nothing is written), then make
+    the task, the episode source (`env` / `agent`: passed in Python) and the scorers."""
+    check_training(config)
+    check_engines(config)
+    task = check_task(config)
+    episodes = episode_source(config, env=env, agent=agent)
+    if episodes is not None and config.env is None:  # its defaults are the run's settings
+        config = msgspec.structs.replace(config, env=episodes.settings)  # type: ignore[arg-type]
+    rewards = make_rewards(config.scoring, config.run.reward, reward_funcs, env=episodes is not None, task=task)
+    scorer = Scorer(rewards, max_concurrency=config.scoring.max_concurrency)
+    return Plan(config=config, task=task, episodes=episodes, scorer=scorer, eval_scorer=eval_scorer(config))
+
+
+@dataclass
+class Flow:
+    """What the producer and the training loop share: the capacity rule, the buffer between
+    them, the ledger's accounting, the stop rule, the engine's supervisor, the trace, the
+    clock and the run's stop request."""
+
+    admission: Admission
+    buffer: GroupBuffer
+    accounting: Accounting
+    stall: StallWatch
+    supervisor: Supervisor
+    trace: Trace
+    clock: Callable[[], float]
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -74,12 +143,13 @@ def with_context(config: Config, model_path: Path) -> Config:
     return msgspec.structs.replace(config, engine=engine)
 
 
-async def build(
-    config: Config, given: Given, *, task: Task, multi_turn: bool, rows: list[Row] | None = None
-) -> Components:
+async def build(plan: Plan, given: Given) -> Components:
     """The tokenizer, sampler, trainer, teacher, engine and transport: given ones or built
-    from the config (the trainer and teacher load in a thread; the loop keeps running).
-    `rows`: the prompts, when the episodes bring their own (a verifiers environment's dataset)."""
+    from the config (the trainer and teacher load in a thread; the loop keeps running). The
+    prompts are the episode source's when it brings its own (a verifiers environment's dataset)."""
+    config, task = plan.config, plan.task
+    multi_turn = plan.episodes is not None
+    rows: list[Row] | None = plan.episodes.rows() if plan.episodes is not None else None
     needs_model = given.tokenizer is None or given.engine is None or (given.trainer is None and given.runner is None)
     model_path = resolve_model(config.model.path) if needs_model else Path(config.model.path)
     config = with_context(config, model_path)

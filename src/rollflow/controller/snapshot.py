@@ -1,94 +1,77 @@
 """A run's state at a checkpoint: assembled from the components, and put back into them.
 
-Mixed into `Controller` (which provides what is declared here): `_snapshot` takes everything a
-checkpoint holds at one instant (the trainer's step, the sampler's position, the prompts drawn,
-admission and accounting counters, the buffer, the samples in flight token by token, the logs'
-lengths); `_checkpoint` writes it through the `Checkpointer`, holding the work in progress when
-the run is stopping; `_restore` puts a checkpoint's state back before the engine starts. The
-files themselves are `rollflow.checkpoint` and `controller.persistence`.
+`snapshot` takes everything a checkpoint holds at one instant (the trainer's step, the
+sampler's position, the prompts drawn, admission and accounting counters, the buffer, the
+samples in flight token by token, the logs' lengths); `restore` puts a checkpoint's state back
+before the engine starts (the trainer's tensors through the `Checkpointer`). `Checkpointed`
+names the components they read and write. The files themselves are `rollflow.checkpoint` and
+`controller.persistence`; when to checkpoint is the controller's and the `Checkpointer`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState, rng_state, set_rng_state
-from rollflow.controller.accounting import Accounting
 from rollflow.controller.persistence import Checkpointer, Outputs
 from rollflow.controller.producer import Producer
-from rollflow.controller.setup import Components
+from rollflow.controller.setup import Flow
 from rollflow.controller.training import TrainingLoop
+from rollflow.sampler import Sampler
 
 
-class Snapshots:
-    """Checkpoint assembly, mixed into `Controller`."""
+@dataclass(frozen=True)
+class Checkpointed:
+    """The components whose state a checkpoint holds."""
 
-    admission: Admission
-    buffer: GroupBuffer
-    parts: Components
-    accounting: Accounting
+    flow: Flow
+    sampler: Sampler
     producer: Producer
-    checkpointer: Checkpointer
     training: TrainingLoop
     outputs: Outputs
-    clock: Callable[[], float]
-    began: float
+    checkpointer: Checkpointer
 
-    def _settle(self) -> None:
-        raise NotImplementedError
 
-    def _snapshot(self, step: int) -> RunState:
-        """The run's state at this instant (no await inside: nothing changes while it is taken)."""
-        return RunState(
-            step=step,
-            wall_s=self.clock() - self.began + self.training.wall_offset,
-            trainer={},
-            rng=rng_state(),
-            sampler=self.parts.sampler.state_dict(),
-            consumed=list(self.producer.consumed),
-            group_seq=self.producer.group_seq,
-            started=self.admission.started,
-            trained=self.accounting.trained,
-            dropped=dict(self.accounting.dropped),
-            nonfinite_streak=self.training.nonfinite_streak,
-            buffer=self.buffer.snapshot(),
-            in_flight=self.producer.snapshot(),
-            ledger_bytes=self.outputs.ledger.position(),
-            metrics_bytes=self.outputs.metrics.position(),
-        )
+def snapshot(parts: Checkpointed, step: int, wall_s: float) -> RunState:
+    """The run's state after `step` steps, at this instant (no await inside: nothing changes
+    while it is taken). `wall_s`: the run's wall time so far, earlier parts included."""
+    flow, producer = parts.flow, parts.producer
+    return RunState(
+        step=step,
+        wall_s=wall_s,
+        trainer={},
+        rng=rng_state(),
+        sampler=parts.sampler.state_dict(),
+        consumed=list(producer.consumed),
+        group_seq=producer.group_seq,
+        started=flow.admission.started,
+        trained=flow.accounting.trained,
+        dropped=dict(flow.accounting.dropped),
+        nonfinite_streak=parts.training.nonfinite_streak,
+        buffer=flow.buffer.snapshot(),
+        in_flight=producer.snapshot(),
+        ledger_bytes=parts.outputs.ledger.position(),
+        metrics_bytes=parts.outputs.metrics.position(),
+    )
 
-    async def _final_checkpoint(self, step: int) -> Path:
-        self._settle()  # the final checkpoint holds no work in progress
-        return await self._checkpoint(step, keep_pending=False)
 
-    async def _checkpoint(self, step: int, *, keep_pending: bool) -> Path:
-        """A checkpoint after `step` steps. `keep_pending`: the run is stopping; its buffered and
-        in-flight work is saved, then cancelled without being dropped."""
-        self.outputs.waiting(f"writing the checkpoint of step {step}")
-        state = self._snapshot(step)
-        if keep_pending:
-            self.accounting.hold_pending()
-            await self.admission.close()
-            self.producer.cancel()
-        return await self.checkpointer.save(state)
-
-    async def _restore(self, checkpoint: Path, state: RunState) -> None:
-        """Put the trainer, sampler, admission, buffer and counters back as the checkpoint has them
-        (in-flight groups are relaunched by the producer, engine weights after the engine starts)."""
-        await self.checkpointer.restore(checkpoint, state)
-        set_rng_state(state.rng)
-        self.parts.sampler.load_state_dict(state.sampler)
-        self.producer.consumed = list(state.consumed)
-        self.producer.group_seq = state.group_seq
-        self.producer.resume_from = list(state.in_flight)
-        self.accounting.trained = state.trained
-        self.accounting.dropped = dict(state.dropped)
-        self.training.nonfinite_streak = state.nonfinite_streak
-        self.training.first_step = state.step
-        self.training.wall_offset = state.wall_s
-        self.admission.started = state.started
-        await self.admission.advance(state.step)
-        for group in state.buffer:
-            await self.buffer.put(group)
+async def restore(parts: Checkpointed, checkpoint: Path, state: RunState) -> None:
+    """Put the trainer, sampler, admission, buffer and counters back as the checkpoint has them
+    (in-flight groups are relaunched by the producer, engine weights after the engine starts)."""
+    flow, producer, training = parts.flow, parts.producer, parts.training
+    await parts.checkpointer.restore(checkpoint, state)
+    set_rng_state(state.rng)
+    parts.sampler.load_state_dict(state.sampler)
+    producer.consumed = list(state.consumed)
+    producer.group_seq = state.group_seq
+    producer.resume_from = list(state.in_flight)
+    flow.accounting.trained = state.trained
+    flow.accounting.dropped = dict(state.dropped)
+    training.nonfinite_streak = state.nonfinite_streak
+    training.first_step = state.step
+    training.wall_offset = state.wall_s
+    flow.admission.started = state.started
+    await flow.admission.advance(state.step)
+    for group in state.buffer:
+        await flow.buffer.put(group)

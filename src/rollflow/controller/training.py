@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +20,28 @@ import msgspec
 
 from rollflow import faults
 from rollflow.batch import build_batch
-from rollflow.buffer import GroupBuffer
 from rollflow.config import Config
-from rollflow.controller.accounting import Accounting
-from rollflow.controller.persistence import Checkpointer
+from rollflow.controller.persistence import Checkpointer, Outputs
 from rollflow.controller.producer import Producer
-from rollflow.controller.stall import StallWatch
+from rollflow.controller.setup import Flow
 from rollflow.controller.step_metrics import TRAINER_KEYS, StepMetrics
-from rollflow.controller.supervisor import Supervisor
 from rollflow.controller.trainer_thread import TrainerRunner
 from rollflow.controller.weights import WeightPublisher
 from rollflow.errors import TrainingError
 from rollflow.evaluate import HeldOut
-from rollflow.metrics import LoopLag, MetricsSink
 from rollflow.records import Group
-from rollflow.trace import Trace
 from rollflow.trainer.batches import model_tokens
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the training loop calls back into: writing a checkpoint after n steps (True: the
+    run stops, its pending work is saved), scoring the held-out prompts on the engine (every
+    `run.eval_every` steps), and the caller's `on_step` with each step's metrics."""
+
+    checkpoint: Callable[[int, bool], Awaitable[Path]]
+    evaluate: Callable[[], Awaitable[HeldOut]] | None = None
+    on_step: Callable[[dict], None] | None = None
 
 
 class TrainingLoop:
@@ -43,43 +50,22 @@ class TrainingLoop:
     def __init__(
         self,
         config: Config,
-        *,
-        buffer: GroupBuffer,
+        flow: Flow,
         runner: TrainerRunner,
-        publisher: WeightPublisher,
         producer: Producer,
-        supervisor: Supervisor,
-        accounting: Accounting,
+        publisher: WeightPublisher,
         checkpointer: Checkpointer,
-        checkpoint: Callable[[int, bool], Awaitable[Path]],
-        sinks: list[MetricsSink],
-        trace: Trace,
-        loop_lag: LoopLag,
-        clock: Callable[[], float],
-        stop: asyncio.Event,
-        stall: StallWatch,
-        on_step: Callable[[dict], None] | None = None,
-        evaluate: Callable[[], Awaitable[HeldOut]] | None = None,
+        outputs: Outputs,
+        hooks: Hooks,
     ) -> None:
         self.config = config
-        self.buffer = buffer
+        self.flow = flow
         self.runner = runner
-        self.publisher = publisher
         self.producer = producer
-        self.supervisor = supervisor
-        self.accounting = accounting
+        self.publisher = publisher
         self.checkpointer = checkpointer
-        self.checkpoint = checkpoint
-        """Write a checkpoint after n steps (True: the run stops, its pending work is saved)."""
-        self.sinks = sinks
-        self.trace = trace
-        self.loop_lag = loop_lag
-        self.clock = clock
-        self.stop = stop
-        self.stall = stall
-        self.on_step = on_step
-        self.evaluate = evaluate
-        """Scores the held-out prompts on the engine (every `run.eval_every` steps)."""
+        self.outputs = outputs
+        self.hooks = hooks
         self.metrics: list[dict[str, Any]] = []
         """Every step's row, as the sinks got it."""
         self.first_step = 0
@@ -100,66 +86,66 @@ class TrainingLoop:
     async def run(self, tg: asyncio.TaskGroup) -> None:
         run = self.config.run
         for step in range(self.first_step, run.max_steps):
-            t0 = self.clock()
+            t0 = self.flow.clock()
             before = (self.producer.generated_tokens, self.producer.busy_total(), self.producer.filtered)
             groups = await self._take_or_stop(run.groups_per_step)
             if groups is None:
                 break
-            self.accounting.stepping = groups  # out of the buffer, not yet in the ledger
+            self.flow.accounting.stepping = groups  # out of the buffer, not yet in the ledger
             self.in_step = True
-            t_batch = self.clock()
+            t_batch = self.flow.clock()
             batch, stats = self._batch(step, groups)
             trained = await self.runner.step(batch) if batch.samples else {}
             self.runner.steps_run = step + 1  # also for an empty batch: its version is published all the same
-            t_step = self.clock()
+            t_step = self.flow.clock()
             self._trace_step(step, t_batch, t_step, stats["samples"])
             faults.point("step-trained")
             staged = await self.publisher.publish(tg, step + 1)
-            t_sync = self.clock()
-            self.trace.span("stage weights", "weight sync", t_step, t_sync, step=step, bytes=staged)
+            t_sync = self.flow.clock()
+            self.outputs.trace.span("stage weights", "weight sync", t_step, t_sync, step=step, bytes=staged)
             skipped = bool(trained.get("skipped"))
-            self.accounting.record_step(step, groups, skipped=skipped)
+            self.flow.accounting.record_step(step, groups, skipped=skipped)
             self.in_step = False
-            self.stall.stepped()
+            self.flow.stall.stepped()
             self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
             evaluated = await self._evaluate_if_due(step + 1)
             if evaluated:
-                self.stall.restart_clock()
+                self.flow.stall.restart_clock()
             self._report(step, (t0, t_batch, t_step, t_sync), before, stats, trained, staged, evaluated)
             await self._stop_if_diverged(step)
-            if self.stop.is_set():
+            if self.flow.stop.is_set():
                 break
             if self.checkpointer.due(step + 1):
-                await self.checkpoint(step + 1, False)
-                self.stall.restart_clock()
-        if self.stop.is_set():
+                await self.hooks.checkpoint(step + 1, False)
+                self.flow.stall.restart_clock()
+        if self.flow.stop.is_set():
             if self.checkpointer.enabled:
-                await self.checkpoint(self.steps_done, True)
+                await self.hooks.checkpoint(self.steps_done, True)
             return
-        await self.producer.admission.close()  # no step is left to consume new samples
+        await self.flow.admission.close()  # no step is left to consume new samples
         await self.publisher.drain()  # the last step's weights are in the engine when the run returns
 
     async def _evaluate_if_due(self, version: int) -> dict[str, float]:
         """Every `run.eval_every` steps: the held-out scores of `version`'s weights, measured once
         the engine serves them; generation goes on meanwhile, the next step waits."""
         every = self.config.run.eval_every
-        if self.evaluate is None or not every or version % every or version >= self.config.run.max_steps:
+        if self.hooks.evaluate is None or not every or version % every or version >= self.config.run.max_steps:
             return {}  # (the last step's weights are scored after the run)
-        began = self.clock()
+        began = self.flow.clock()
         await self.publisher.drain()
-        held_out = await self.evaluate()
-        self.trace.span("evaluate", "engine", began, self.clock(), version=version)
-        out = {"eval_accuracy": held_out.greedy.accuracy, "eval_s": self.clock() - began}
+        held_out = await self.hooks.evaluate()
+        self.outputs.trace.span("evaluate", "engine", began, self.flow.clock(), version=version)
+        out = {"eval_accuracy": held_out.greedy.accuracy, "eval_s": self.flow.clock() - began}
         if held_out.sampled is not None:
             out["eval_pass_at_k"] = held_out.sampled.pass_at_group
         return out
 
     async def _take_or_stop(self, n: int) -> list[Group] | None:
         """The next `n` groups, or None if a stop is requested first."""
-        if self.stop.is_set():
+        if self.flow.stop.is_set():
             return None
-        take = asyncio.ensure_future(self.buffer.take(n))
-        stop = asyncio.ensure_future(self.stop.wait())
+        take = asyncio.ensure_future(self.flow.buffer.take(n))
+        stop = asyncio.ensure_future(self.flow.stop.wait())
         try:
             await asyncio.wait({take, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -175,7 +161,7 @@ class TrainingLoop:
             step,
             groups,
             max_lag=cfg.run.max_lag,
-            max_tokens=cfg.env.max_tokens if self.producer.episodes else cfg.sampling.max_tokens,
+            max_tokens=cfg.completion_budget,
             reward_name=cfg.run.reward,
             distill_coef=cfg.scoring.distill_coef,
             filter_overlong=cfg.rollout.overlong == "filter",
@@ -185,9 +171,9 @@ class TrainingLoop:
         return batch, stats
 
     def _trace_step(self, step: int, began: float, ended: float, samples: int) -> None:
-        self.trace.span("train step", "trainer", began, ended, step=step, samples=samples)
+        self.outputs.trace.span("train step", "trainer", began, ended, step=step, samples=samples)
         for i, (start, end, n_samples, n_tokens) in enumerate(self.runner.backend.micro_batches):
-            self.trace.span(
+            self.outputs.trace.span(
                 "micro-batch", "trainer", start, end, step=step, index=i, samples=n_samples, tokens=n_tokens
             )
 
@@ -226,21 +212,21 @@ class TrainingLoop:
                 "weight_sync_s": t_sync - t_step,
                 "weight_sync_bytes": staged,
                 "engine_update_s": self.publisher.last_update_s,
-                "buffer_groups": len(self.buffer),
+                "buffer_groups": len(self.flow.buffer),
                 "engine_busy_s": busy,
-                "engine_restarts": self.supervisor.restarts,
+                "engine_restarts": self.flow.supervisor.restarts,
                 "filtered_groups": self.producer.filtered - before[2],
-                **self.loop_lag.take(),
+                **self.outputs.loop_lag.take(),
                 "wall_s": t_sync - self.began + self.wall_offset,
                 **evaluated,
             },
             StepMetrics,
         ).as_row()
         self.metrics.append(row)
-        for sink in self.sinks:
+        for sink in self.outputs.sinks:
             sink.write(row)
-        if self.on_step is not None:
-            self.on_step(row)
+        if self.hooks.on_step is not None:
+            self.hooks.on_step(row)
 
     async def _stop_if_diverged(self, step: int) -> None:
         """Too many non-finite steps in a row end the run, with the last good weights saved."""
@@ -248,7 +234,7 @@ class TrainingLoop:
             return
         where = "checkpoints are off (checkpoint.enabled = false)"
         if self.checkpointer.enabled:
-            saved = await self.checkpoint(step + 1, True)
+            saved = await self.hooks.checkpoint(step + 1, True)
             where = f"the last good weights and all pending work are in {saved}; resume with --resume"
         raise TrainingError(
             f"{self.nonfinite_streak} steps in a row had a non-finite loss or gradient (last: step {step}); "

@@ -28,8 +28,6 @@ Every source hands the loader views, one bucket at a time, in checkpoint naming:
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import threading
 import time
@@ -42,13 +40,10 @@ from rollflow.engine.loading import _DISPATCH, LINEAR_LAYOUT, WeightLoading, _ke
 class WorkerExtension(WeightLoading):
     """Methods added to vLLM's worker; `self` is the worker (the load paths: `WeightLoading`)."""
 
-    _rollflow_group: Any = None
-    _rollflow_buffers: list[Any] | None = None
-    _rollflow_shm: tuple[tuple[str, int], Any] | None = None
-    """The shared-memory segment of the last `shm` load, kept mapped: ((name, size), mapping)."""
-    _rollflow_shm_views_of: tuple[tuple[str, bytes | str], tuple[int, list[tuple[str, Any]]]] | None = None
-    """The last (segment name, plan) loaded and what `_rollflow_shm_views` made of it, kept for
-    the next load of the same (making the views costs more than copying a small model's bytes)."""
+    _rollflow_shm: Any = None
+    """The `shm` transport's receiving end (`weight_sync.shm.ShmReceiver`), made at its first load."""
+    _rollflow_gloo: Any = None
+    """The `gloo` transport's receiving end (`weight_sync.gloo.GlooReceiver`), made when it joins."""
 
     def rollflow_stage(self, method: str, args: list[Any]) -> Future:
         """Start staging the load `method(*args)` on a thread; the future answers True when it is
@@ -145,67 +140,39 @@ class WorkerExtension(WeightLoading):
         """Load packed buckets from a shared-memory segment, as views into it. `plan` arrives
         as base64 text from a remote client (`/collective_rpc` carries JSON).
 
-        The mapping stays open for the next load from the same segment (the sender rewrites it
-        in place between loads), so a load neither maps nor unmaps, and nothing waits for the
-        views to be collected; a segment of another name or size replaces it."""
+        The receiving end (`weight_sync.shm.ShmReceiver`) keeps the mapping and the views for the
+        next load from the same segment."""
         total, views = self._rollflow_shm_views(name, plan)
         self._rollflow_reload(iter(views))
         return total
 
     def _rollflow_shm_views(self, name: str, plan: bytes | str) -> tuple[int, list[tuple[str, Any]]]:
-        """The bytes the `BucketPlan` `plan` lays out in the segment `name`, and its (name, view)
-        pairs: the same list for the same segment and plan (the sender rewrites them in place)."""
-        from rollflow.weight_sync.shm import map_segment, read_buckets
-
-        if self._rollflow_shm_views_of is not None and self._rollflow_shm_views_of[0] == (name, plan):
-            return self._rollflow_shm_views_of[1]
-        decoded = _decode_plan(plan)
-        key = (name, max(decoded.total_bytes, 1))
-        if self._rollflow_shm is None or self._rollflow_shm[0] != key:
-            self._rollflow_shm_close()
-            self._rollflow_shm = (key, map_segment(*key))
-        read = (decoded.total_bytes, list(read_buckets(self._rollflow_shm[1], decoded)))
-        self._rollflow_shm_views_of = ((name, plan), read)
-        return read
-
-    def _rollflow_shm_close(self) -> None:
-        self._rollflow_shm_views_of = None
         if self._rollflow_shm is None:
-            return
-        mapping, self._rollflow_shm = self._rollflow_shm[1], None
-        try:
-            mapping.close()
-        except BufferError:  # a view of the old segment is still referenced: collect, then unmap
-            gc.collect()
-            with contextlib.suppress(BufferError, ValueError):
-                mapping.close()  # else the mapping goes with the process
+            from rollflow.weight_sync.shm import ShmReceiver
+
+            self._rollflow_shm = ShmReceiver()
+        return self._rollflow_shm.views(name, plan, _decode_plan(plan))  # type: ignore[no-any-return]
 
     def rollflow_gloo_join(self, host: str, port: int, timeout_s: float) -> bool:
         """Join the two-process gloo weight group as rank 1 (blocks until rank 0 is there)."""
-        from rollflow.weight_sync.gloo import join
+        from rollflow.weight_sync.gloo import GlooReceiver
 
-        self._rollflow_group = join(host, port, 1, timeout_s)
+        self._rollflow_gloo = GlooReceiver()
+        self._rollflow_gloo.join(host, port, timeout_s)
         return True
 
     def rollflow_gloo_receive(self) -> int:
         """Receive one full set of weights over the gloo group, then load it."""
-        from rollflow.weight_sync.gloo import receive_buckets
-
-        if self._rollflow_group is None:
+        if self._rollflow_gloo is None:
             raise RuntimeError("rollflow_gloo_receive before rollflow_gloo_join")
-        if self._rollflow_buffers is None:
-            self._rollflow_buffers = []  # receive buffers, reused by later syncs of the same shapes
-        try:
-            plan, views = receive_buckets(self._rollflow_group, self._rollflow_buffers)
-        except Exception:
-            self._rollflow_group = None  # the group is unusable after a failed collective
-            raise
+        plan, views = self._rollflow_gloo.receive()
         self._rollflow_reload(views)
-        return plan.total_bytes
+        return int(plan.total_bytes)
 
     def rollflow_gloo_leave(self) -> bool:
-        self._rollflow_group = None
-        self._rollflow_buffers = None
+        if self._rollflow_gloo is not None:
+            self._rollflow_gloo.leave()
+        self._rollflow_gloo = None
         return True
 
 

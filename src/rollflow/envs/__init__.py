@@ -1,398 +1,47 @@
 """Multi-turn episodes: the model takes a turn, an environment answers, until it says done.
 
-An `Environment` is made fresh for every episode (its state is the episode's). `reset(prompt)`
-gives the opening messages; `step(turn)` gets the model's turn and returns what the environment
-says next (a tool result, a user reply), that turn's reward and whether the episode is over.
-
-`run_episode` keeps the episode as one token sequence, token-in/token-out: the model's tokens are
-appended exactly as sampled (never re-tokenised), with their behaviour log-probs and per-token
-versions; what the environment says is rendered with the chat template and tokenised on its own
-(`ChatFormat.extend`), appended with loss mask 0. Each model turn is one generation call (the
-caller's `generate`, which streams it like any sample: a weight update during the turn follows the
-partial-rollout mode, and a turn starts under whatever weights the engine has by then), so an
-episode interrupted by an update resumes at its turn boundary with every earlier turn kept.
-
-Environment failures are the episode's, not the run's: a `step` that raises or runs past
-`step_timeout_s` ends the episode as unscorable with the reason. Built-in environments:
-`calculator` (tool calls, `rollflow.envs.calculator`) and `retry` (`rollflow.envs.retry`);
-OpenEnv environments come through `rollflow.envs.openenv`.
-`episode_score` hands an episode's rewards to scoring (`Scorer.score`'s `prior`). This module
-does not run reward functions (see `rollflow.scoring`) or generate (the caller's `generate` does).
+The seam's types are in `rollflow.envs.protocol` (`Environment`, `Turn`, `EnvStep`, `Served`),
+conversations as token sequences in `rollflow.envs.chat`, playing an episode in
+`rollflow.envs.episode`, and the one seam every source of episodes enters through (this one, an
+agent's, an OpenEnv or verifiers environment's) in `rollflow.envs.source`. Built-in
+environments: `calculator` (tool calls, `rollflow.envs.calculator`) and `retry`
+(`rollflow.envs.retry`); OpenEnv environments come through `rollflow.envs.openenv`.
 """
 
-from __future__ import annotations
+from rollflow.envs.chat import ChatFormat
+from rollflow.envs.episode import (
+    EnvironmentEpisodes,
+    episode_score,
+    load_environment,
+    open_environment,
+    run_episode,
+    tool_episodes,
+)
+from rollflow.envs.protocol import (
+    EnvFactory,
+    Environment,
+    EnvStep,
+    EpisodeLimits,
+    GenerateTurn,
+    Served,
+    Turn,
+)
+from rollflow.records import Message
 
-import abc
-import asyncio
-import inspect
-import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, runtime_checkable
-
-import msgspec
-
-from rollflow.config import EnvConfig
-from rollflow.errors import ConfigError
-from rollflow.records import Message, Prompt, Sample, SamplingSpec, Segment
-from rollflow.scoring import Scored, finite, shown
-
-log = logging.getLogger(__name__)
-
-
-class Turn(msgspec.Struct, frozen=True, kw_only=True):
-    """One model turn as the environment sees it."""
-
-    text: str
-    """The turn's text, special tokens left out."""
-    finish_reason: str
-    """`stop` (the model ended its turn) or `length` (it ran out of tokens)."""
-    index: int
-    """0 for the first turn."""
-
-
-class EnvStep(msgspec.Struct, frozen=True, kw_only=True):
-    """The environment's answer to one turn."""
-
-    messages: list[Message] = []
-    """What comes next in the conversation (role `tool` for tool results, `user` for replies)."""
-    reward: float | None = None
-    """This turn's reward, if it earns one (the episode's reward is the sum)."""
-    done: bool = False
-
-
-@runtime_checkable
-class Environment(Protocol):
-    """One episode's environment."""
-
-    async def reset(self, prompt: Prompt) -> list[Message]:
-        """The opening messages (the prompt's own, possibly with a system message added)."""
-        ...
-
-    async def step(self, turn: Turn) -> EnvStep:
-        """React to the model's turn."""
-        ...
-
-
-EnvFactory = Callable[[], Environment | Awaitable[Environment]]
-"""Makes one environment per episode (`open_environment` calls it)."""
-
-
-class Served(abc.ABC):
-    """An episode source that holds something for the whole run (a server it started, a
-    connection pool): the controller starts it before the run's first episode and closes it at
-    the end, however the run ends. A source says so by subclassing this; an episode's own
-    environment with `start` and `aclose` methods is not one (its `aclose` ends its episode)."""
-
-    @abc.abstractmethod
-    async def start(self) -> None: ...
-
-    @abc.abstractmethod
-    async def aclose(self) -> None: ...
-
-
-class ChatFormat:
-    """Renders a conversation with the tokenizer's chat template; tokenises what the environment adds.
-
-    The text rendered so far is kept, so each addition is the difference between the template's
-    rendering of the longer conversation and the text already in the sequence: the tokens the
-    model produced are never re-tokenised."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.eos_text = tokenizer.eos_token or ""
-
-    def render(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> str:
-        """The conversation as the model reads it, ready for its next turn (`tools`: OpenAI tool
-        definitions, for templates that show them)."""
-        extra = {"tools": tools} if tools else {}
-        return self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=True,
-            tokenize=False,
-            **extra,
-        )
-
-    def tokens(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def assistant_content(self, turn_text: str) -> str:
-        """The message content whose rendering reproduces the model's turn (its end marker dropped)."""
-        if self.eos_text and turn_text.endswith(self.eos_text):
-            return turn_text[: -len(self.eos_text)]
-        return turn_text
-
-    def extend(
-        self, rendered: str, messages: list[Message], tools: list[dict[str, Any]] | None = None
-    ) -> tuple[str, list[int]]:
-        """(the conversation's new rendering, the tokens it adds after `rendered`)."""
-        full = self.render(messages, tools)
-        if not full.startswith(rendered):
-            raise ValueError(
-                "the chat template does not render a conversation as an extension of its earlier turns "
-                "(it rewrites history), so multi-turn token sequences cannot be built from it"
-            )
-        return full, self.tokens(full[len(rendered) :])
-
-
-GenerateTurn = Callable[[list[int], SamplingSpec, int], Awaitable[Sample]]
-"""(token ids so far, sampling with this turn's budget, turn index) -> the turn as a sample."""
-
-
-class EpisodeLimits(msgspec.Struct, frozen=True, kw_only=True):
-    max_turns: int = 4
-    max_tokens: int = 256
-    """Completion tokens of the whole episode, the model's and the environment's."""
-    max_model_len: int = 1024
-    """Prompt + completion tokens the engine accepts."""
-    step_timeout_s: float = 30.0
-
-
-class _Sequence:
-    """One token sequence of an episode: the opening, then the turns (model and environment)."""
-
-    def __init__(self, rendered: str, opening: list[int]) -> None:
-        self.rendered = rendered
-        self.opening = opening
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.mask: list[int] = []
-
-    def add(self, tokens: list[int], logprobs: list[float], versions: list[int], mask: int) -> None:
-        self.tokens += tokens
-        self.logprobs += logprobs
-        self.versions += versions
-        self.mask += [mask] * len(tokens)
-
-    def segment(self) -> Segment:
-        return Segment(
-            prompt_token_ids=self.opening,
-            completion_token_ids=self.tokens,
-            logprobs=self.logprobs,
-            versions=self.versions,
-            loss_mask=self.mask,
-        )
-
-
-async def run_episode(
-    env: Environment,
-    prompt: Prompt,
-    sampling: SamplingSpec,
-    generate: GenerateTurn,
-    chat: ChatFormat,
-    *,
-    group_id: str,
-    index: int,
-    limits: EpisodeLimits,
-) -> Sample:
-    """Play one episode; the result is one sample whose completion is every turn after the opening
-    messages, with loss mask 1 on the model's tokens and 0 on the environment's. Environment
-    tokens carry log-prob 0 and the version of the model token before them (so they never make
-    the sample look staler than its oldest model token). An environment failure makes the sample
-    unscorable with the reason.
-
-    A chat template that renders the conversation so far differently from the tokens already in
-    the sequence (Qwen3's drops earlier turns' `<think>` blocks) cannot be continued token by
-    token: the sequence so far becomes a segment of the sample (`Sample.segments`, trained with
-    its reward and advantage) and the next turn starts a new sequence from the template's own
-    rendering. `limits.max_tokens` counts the completion tokens of all of them."""
-    seq = _Sequence("", [])
-    closed: list[_Sequence] = []
-    steps: list[tuple[int, float]] = []
-    carried = 0.0
-    """Rewards of turns in closed sequences (anchored on the last sequence's last token)."""
-    interruptions = 0
-    finish_reason = "length"
-    failure: str | None = None
-    turns = 0
-    try:
-        try:
-            messages = _opening(await _bounded(env.reset(prompt), limits.step_timeout_s, "reset"))
-            rendered = chat.render(messages)
-            seq = _Sequence(rendered, chat.tokens(rendered))
-        except _EnvFailed as err:  # no episode: the sample is the prompt alone, unscorable
-            failure, finish_reason, seq = str(err), "stop", _Sequence("", prompt.token_ids)
-        while failure is None and turns < limits.max_turns:
-            spent = sum(len(c.tokens) for c in closed) + len(seq.tokens)
-            room = min(limits.max_tokens - spent, limits.max_model_len - len(seq.opening) - len(seq.tokens))
-            budget = min(sampling.max_tokens, room)
-            if budget <= 0:
-                finish_reason = "length"
-                break
-            spec = msgspec.structs.replace(sampling, max_tokens=budget)
-            turn = await generate(seq.opening + seq.tokens, spec, turns)
-            seq.add(turn.completion_token_ids, turn.logprobs, turn.versions, 1)
-            interruptions += turn.interruptions
-            finish_reason = turn.finish_reason
-            text = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=False)
-            seq.rendered += text
-            messages.append(Message(role="assistant", content=chat.assistant_content(text)))
-            plain = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=True)
-            try:
-                turn_seen = Turn(text=plain, finish_reason=turn.finish_reason, index=turns)
-                result = _answer(await _bounded(env.step(turn_seen), limits.step_timeout_s, "step"))
-            except _EnvFailed as err:
-                failure = str(err)
-                break
-            turns += 1
-            if result.reward is not None and seq.tokens:
-                steps.append((len(seq.tokens) - 1, result.reward))
-            if result.done or not result.messages:
-                finish_reason = "stop" if result.done else finish_reason
-                break
-            messages += result.messages
-            spent += turn.num_tokens
-            try:
-                seq.rendered, added = chat.extend(seq.rendered, messages)
-            except ValueError:  # the template rewrites history: the next turn starts a new sequence
-                rendered = chat.render(messages)
-                opening = chat.tokens(rendered)
-                if turns >= limits.max_turns or len(opening) >= limits.max_model_len or spent >= limits.max_tokens:
-                    finish_reason = "length"
-                    break
-                closed.append(seq)
-                carried += sum(r for _, r in steps)
-                steps = []
-                seq = _Sequence(rendered, opening)
-                continue
-            if spent + len(added) >= limits.max_tokens or (
-                len(seq.opening) + len(seq.tokens) + len(added) >= limits.max_model_len
-            ):
-                finish_reason = "length"  # no room left for another turn after what the environment said
-                break
-            last_version = seq.versions[-1] if seq.versions else 0
-            seq.add(added, [0.0] * len(added), [last_version] * len(added), 0)
-    finally:
-        await _close(env, limits.step_timeout_s)
-    if closed and not seq.tokens:  # split, but no turn followed: the last sequence is the closed one
-        seq = closed.pop()
-    if carried and seq.tokens:
-        steps.append((len(seq.tokens) - 1, carried))
-    return Sample(
-        prompt_id=prompt.id,
-        group_id=group_id,
-        index=index,
-        prompt_token_ids=seq.opening,
-        completion_token_ids=seq.tokens,
-        logprobs=seq.logprobs,
-        versions=seq.versions,
-        loss_mask=seq.mask,
-        finish_reason=finish_reason,
-        sampling=sampling,
-        interruptions=interruptions,
-        unscorable=failure,
-        process_rewards=steps,
-        turns=max(turns, 1),
-        segments=[c.segment() for c in closed],
-    )
-
-
-class _EnvFailed(Exception):
-    """The environment raised or timed out; the episode ends unscorable."""
-
-
-async def _bounded(call: Awaitable[Any], timeout_s: float, what: str) -> Any:
-    try:
-        return await asyncio.wait_for(call, timeout_s)
-    except TimeoutError:
-        raise _EnvFailed(f"environment: {what} timed out after {timeout_s:g} s") from None
-    except Exception as err:  # the environment's bug ends its episode, not the run
-        raise _EnvFailed(f"environment: {what} raised {type(err).__name__}: {err}") from err
-
-
-def _opening(messages: Any) -> list[Message]:
-    """`reset`'s result, checked: a list of `Message`s."""
-    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, Message) for m in messages):
-        raise _EnvFailed(f"environment: reset returned {shown(messages)}, expected a list of Message")
-    return list(messages)
-
-
-def _answer(result: Any) -> EnvStep:
-    """`step`'s result, checked: an `EnvStep` whose reward is None or a finite number (never a
-    string taken for a number, never NaN)."""
-    if not isinstance(result, EnvStep):
-        raise _EnvFailed(f"environment: step returned {shown(result)}, expected an EnvStep")
-    if not isinstance(result.messages, (list, tuple)) or not all(isinstance(m, Message) for m in result.messages):
-        raise _EnvFailed(f"environment: step returned messages {shown(result.messages)}, expected a list of Message")
-    if result.reward is None:
-        return result
-    reward = finite(result.reward)
-    if reward is None:
-        raise _EnvFailed(f"environment: step returned reward {shown(result.reward)}, expected a finite number or None")
-    return msgspec.structs.replace(result, reward=reward)
-
-
-async def _close(env: Environment, timeout_s: float) -> None:
-    """Close the episode's environment (its optional `aclose`), whatever ended it, within
-    `timeout_s`: a close that fails or hangs is logged and left behind, never holding its group."""
-    close = getattr(env, "aclose", None)  # optional in the user's Environment
-    if close is None:
-        return
-    try:
-        await asyncio.wait_for(close(), timeout_s)
-    except TimeoutError:
-        log.warning("environment: aclose did not return within %g s (env.step_timeout_s); left behind", timeout_s)
-    except Exception as err:
-        log.warning("environment: aclose raised %s: %s", type(err).__name__, err)
-
-
-async def open_environment(factory: EnvFactory) -> Environment:
-    """A new episode's environment from `factory`, which may be a coroutine function: an OpenEnv
-    source waits there for a free session. That wait is not the environment's time (no step
-    timeout applies); it is bounded by the episodes holding the sessions, whose every call is."""
-    env = factory()
-    if inspect.isawaitable(env):
-        env = await env
-    return env
-
-
-def episode_score(sample: Sample) -> Scored:
-    """What an episode earned from its environment: the sum of its turns' rewards as the part
-    `env` (with each turn's reward as a process reward), or why it failed."""
-    if sample.unscorable is not None:
-        return Scored(None, sample.unscorable)
-    if not sample.process_rewards:
-        return Scored(None)
-    total = sum(r for _, r in sample.process_rewards)
-    return Scored(total, None, {"env": total}, list(sample.process_rewards))
-
-
-def load_environment(name: str, *, tool_timeout_s: float = 5.0) -> EnvFactory:
-    """The factory `env.name` names: `calculator`, `retry`, or `module:attribute` (a class or a
-    function of no arguments returning an `Environment`)."""
-    if name == "calculator":
-        from rollflow.envs.calculator import CalculatorEnv
-
-        return lambda: CalculatorEnv(tool_timeout_s=tool_timeout_s)
-    if name == "retry":
-        from rollflow.envs.retry import RetryEnv
-
-        return RetryEnv
-    if ":" not in name:
-        raise ConfigError(f"env.name: expected `calculator`, `retry` or 'module:attribute', got {name!r}")
-    from rollflow.scoring import load_function
-
-    return load_function(name, "env.name")
-
-
-def environment_source(config: EnvConfig) -> EnvFactory | None:
-    """The factory of each episode's environment the config names (`env.name`, or an OpenEnv
-    client with `env.openenv`), or None."""
-    if config.name:
-        return load_environment(config.name, tool_timeout_s=config.tool_timeout_s)
-    if not config.openenv:
-        return None
-    from rollflow.envs.openenv import OpenEnvSource
-    from rollflow.scoring import load_function
-
-    return OpenEnvSource(
-        load_function(config.openenv, "env.openenv"),
-        url=config.openenv_url,
-        server=config.openenv_server,
-        to_action=load_function(config.openenv_action, "env.openenv_action") if config.openenv_action else None,
-        to_text=load_function(config.openenv_observation, "env.openenv_observation")
-        if config.openenv_observation
-        else None,
-        sessions=config.openenv_sessions,
-        timeout_s=config.step_timeout_s,
-    )
+__all__ = [
+    "ChatFormat",
+    "EnvFactory",
+    "EnvStep",
+    "Environment",
+    "EnvironmentEpisodes",
+    "EpisodeLimits",
+    "GenerateTurn",
+    "Message",
+    "Served",
+    "Turn",
+    "episode_score",
+    "load_environment",
+    "open_environment",
+    "run_episode",
+    "tool_episodes",
+]

@@ -1,8 +1,9 @@
-"""OpenEnv environments (TRL's standard) as rollflow episodes: `env.openenv = "module:Client"`.
+"""OpenEnv environments (TRL's standard) as rollflow episodes: `[env] kind = "openenv"`.
 
 Each episode holds a session through the environment's own OpenEnv client (an `EnvClient`
-subclass, WebSocket) with the server at `env.openenv_url`, or at a server rollflow starts itself
-from a local environment module (`env.openenv_server = "module:app"`, the ASGI app OpenEnv's
+subclass, `env.client = "module:Client"`, WebSocket) with the server at `env.url`, or at a
+server rollflow starts itself from a local environment module (`env.server = "module:app"`, the
+ASGI app OpenEnv's
 `create_app` makes, served by uvicorn on 127.0.0.1, importing what this process can import, and
 exiting when this process is gone, however it ends: `serve_app.py`); a
 session whose episode ended cleanly is kept and reset for the next episode. `reset(seed=...)`
@@ -13,7 +14,7 @@ every model token is generated and recorded as in any episode.
 
 Turning text into an action and an observation into text: by default the action is the client's
 action class with its one text field set to the turn's text, and the observation is its one
-field's text (or its fields as JSON); `env.openenv_action` / `env.openenv_observation` name
+field's text (or its fields as JSON); `env.action` / `env.observation` name
 functions that do it instead. The server is checked before the run starts: one that does not
 answer within `PROBE_TIMEOUT_S` (or a started one within `START_TIMEOUT_S`) is an error naming
 it. A session the server refuses, a step that raises or times out, ends that episode unscorable
@@ -35,18 +36,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollflow.envs import EnvStep, Served, Turn
+from rollflow.config import Config, OpenEnvConfig
+from rollflow.envs import EnvironmentEpisodes, EnvStep, Served, Turn
 from rollflow.errors import ConfigError
+from rollflow.imports import load_function
 from rollflow.records import Message, Prompt
 
 EXTRA = "pip install 'rollflow[openenv]'"
 """How to install the library (named in the error when it is missing)."""
 
 PROBE_TIMEOUT_S = 5.0
-"""How long a server at `env.openenv_url` has to answer `/health` before the run is refused."""
+"""How long a server at `env.url` has to answer `/health` before the run is refused."""
 
 START_TIMEOUT_S = 60.0
-"""How long a server rollflow starts (`env.openenv_server`) has to answer `/health`."""
+"""How long a server rollflow starts (`env.server`) has to answer `/health`."""
 
 STOP_TIMEOUT_S = 5.0
 """How long a started server has to exit after SIGTERM before it is killed."""
@@ -62,7 +65,7 @@ def _library() -> Any:
     try:
         from openenv.core.env_client import EnvClient
     except ImportError as err:
-        raise ConfigError(f"env.openenv: needs the openenv-core package ({err}); {EXTRA}") from None
+        raise ConfigError(f"env.client: OpenEnv environments need the openenv-core package ({err}); {EXTRA}") from None
     return EnvClient
 
 
@@ -82,14 +85,14 @@ def text_action(client_cls: type) -> ToAction:
     fields = getattr(action, "model_fields", None)
     if action is None or fields is None:
         raise ConfigError(
-            f"env.openenv_action: {client_cls.__name__} declares no pydantic action class; name a function "
+            f"env.action: {client_cls.__name__} declares no pydantic action class; name a function "
             "`module:function` that turns the model's text into an action"
         )
     texts = [name for name, field in fields.items() if name != "metadata" and field.annotation is str]
     required = [name for name, field in fields.items() if field.is_required()]
     if len(texts) != 1 or any(name not in texts for name in required):
         raise ConfigError(
-            f"env.openenv_action: {action.__name__} has fields {sorted(fields)}, not one text field to put the "
+            f"env.action: {action.__name__} has fields {sorted(fields)}, not one text field to put the "
             "model's turn in; name a function `module:function` that turns the text into an action"
         )
     field = texts[0]
@@ -137,11 +140,9 @@ class OpenEnvSource(Served):
     ) -> None:
         client_base = _library()
         if not (isinstance(client_cls, type) and issubclass(client_cls, client_base)):
-            raise ConfigError(f"env.openenv: {client_cls!r} is not an OpenEnv client (an EnvClient subclass)")
+            raise ConfigError(f"env.client: {client_cls!r} is not an OpenEnv client (an EnvClient subclass)")
         if bool(url) == bool(server):
-            raise ConfigError(
-                "env.openenv: give the server's address (env.openenv_url) or its app (env.openenv_server)"
-            )
+            raise ConfigError("env.url: give the server's address (env.url) or its app (env.server), one of them")
         self.client_cls = client_cls
         self.url = url.rstrip("/")
         self.server = server
@@ -165,14 +166,14 @@ class OpenEnvSource(Served):
         return OpenEnvEpisode(self, self._slots)
 
     async def start(self) -> None:
-        """Start the server (`env.openenv_server`) or check that the one at `env.openenv_url`
+        """Start the server (`env.server`) or check that the one at `env.url`
         answers; an error names it otherwise."""
         if self.server:
             await self._start_server()
             return
         problem = await self._health(PROBE_TIMEOUT_S)
         if problem:
-            raise ConfigError(f"env.openenv_url: no OpenEnv server answers at {self.url} ({problem})")
+            raise ConfigError(f"env.url: no OpenEnv server answers at {self.url} ({problem})")
 
     async def _health(self, timeout_s: float) -> str | None:
         import aiohttp
@@ -209,12 +210,12 @@ class OpenEnvSource(Served):
         deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
         while True:
             if self._process.returncode is not None or await self._exited():
-                raise ConfigError(f"env.openenv_server: {self.server!r} exited at start:\n{self._tail()}")
+                raise ConfigError(f"env.server: {self.server!r} exited at start:\n{self._tail()}")
             if await self._health(1.0) is None:
                 return
             if asyncio.get_running_loop().time() > deadline:
                 await self.aclose()
-                raise ConfigError(f"env.openenv_server: {self.server!r} did not answer within {START_TIMEOUT_S:g} s")
+                raise ConfigError(f"env.server: {self.server!r} did not answer within {START_TIMEOUT_S:g} s")
 
     async def _exited(self) -> bool:
         """Whether the started server has exited (waits a moment for it, which paces the polling)."""
@@ -305,3 +306,20 @@ class OpenEnvEpisode:
             if self._holding:
                 self._holding = False
                 self._slots.release()
+
+
+def episodes(settings: OpenEnvConfig, config: Config) -> EnvironmentEpisodes:
+    """`kind = "openenv"`: a session per episode with the server through the client `settings`
+    names (the server is checked, or started, when the source starts)."""
+    return EnvironmentEpisodes(
+        OpenEnvSource(
+            load_function(settings.client, "env.client"),
+            url=settings.url,
+            server=settings.server,
+            to_action=load_function(settings.action, "env.action") if settings.action else None,
+            to_text=load_function(settings.observation, "env.observation") if settings.observation else None,
+            sessions=settings.sessions,
+            timeout_s=settings.step_timeout_s,
+        ),
+        settings,
+    )

@@ -29,7 +29,6 @@ signal for smoke tests). Remote reward servers: `rollflow.scoring.remote.RemoteR
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 from collections.abc import Callable
@@ -40,6 +39,7 @@ import msgspec
 
 from rollflow.config import RewardConfig, ScoringConfig
 from rollflow.errors import ConfigError
+from rollflow.imports import load_function
 from rollflow.records import Prompt
 from rollflow.tasks import Task, parse_task, verify
 
@@ -134,23 +134,6 @@ def is_async(func: Any) -> bool:
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
         getattr(func, "__call__", None)  # noqa: B004 - an object whose __call__ is async
     )
-
-
-def load_function(spec: str, field: str) -> RewardFunc:
-    """`module:attribute` -> the callable; errors name the config field."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ConfigError(f"{field}: expected 'module:function', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"{field}: cannot import module {module_name!r} ({err})") from None
-    except SystemExit as err:  # a module that exits while loading must not end the run silently
-        raise ConfigError(f"{field}: importing {module_name!r} called sys.exit({err.code!r})") from None
-    func = getattr(module, attribute, None)
-    if not callable(func):
-        raise ConfigError(f"{field}: {module_name!r} has no function {attribute!r}")
-    return func
 
 
 def builtin_reward(name: str, task: Task | None = None, *, weight: float = 1.0, timeout_s: float = 30.0) -> Reward:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
+from rollflow.controller.setup import Given
 from rollflow.plots import lag_histogram
 from rollflow.sim.components import EngineProfile, LengthModel, SimEngine, SimTrainer, SimTransport, TrainerProfile
 from rollflow.sim.loop import run_virtual
@@ -94,12 +95,14 @@ async def _simulate(scenario: Scenario, output_dir: Path) -> SimResult:
     controller = Controller(
         config,
         output_dir,
-        engine=engine,
-        runner=trainer,
-        transport=SimTransport(scenario.trainer),
-        tokenizer=FakeTokenizer(prompt_tokens=scenario.prompt_tokens),
-        clock=loop.time,
         on_step=lambda _row: busy_at.append(engine.busy_s),
+        given=Given(
+            engine=engine,
+            runner=trainer,
+            transport=SimTransport(scenario.trainer),
+            tokenizer=FakeTokenizer(prompt_tokens=scenario.prompt_tokens),
+            clock=loop.time,
+        ),
     )
     result = await controller.run()
     metrics = result.metrics

@@ -379,6 +379,10 @@ class SimTransport:
         self.profile = profile
         self.snapshots = profile.snapshots
 
+    def worker_call(self, plan: Any) -> None:
+        """None: no single worker call loads these weights (`load` does)."""
+        return None
+
     async def connect(self, engine: Any) -> None:
         return None
 

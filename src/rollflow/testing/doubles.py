@@ -66,6 +66,10 @@ class NullTransport:
     name = "null"
     snapshots = True
 
+    def worker_call(self, plan: Any) -> None:
+        """None: no single worker call loads these weights (`load` does)."""
+        return None
+
     async def connect(self, engine: object) -> None:
         return None
 

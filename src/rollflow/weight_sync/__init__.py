@@ -70,10 +70,11 @@ class WeightTransport(Protocol):
         critical section."""
         ...
 
-    # Optional: `worker_call(plan) -> WorkerCall | None`, the load as one worker call when it is
-    # one (the engine may then load, label and reset its prefix cache in a single call of its
-    # own). A transport without it always loads through `load` (`gloo` and `nccl`: the worker
-    # receives while this process sends).
+    def worker_call(self, plan: BucketPlan) -> WorkerCall | None:
+        """The load as one worker call when it is one (the engine may then load, label and reset
+        its prefix cache in a single call of its own), or None: the load goes through `load`
+        (`gloo` and `nccl`: the worker receives while this process sends)."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -112,6 +113,10 @@ class GlooTransport:
             self._staged = torch.empty(plan.total_bytes, dtype=torch.uint8)
         staged = self._staged
         return await run(lambda: pack_into(plan, tensors, staged))
+
+    def worker_call(self, plan: BucketPlan) -> None:
+        """None: the worker receives while this process sends (`load`)."""
+        return None
 
     async def load(self, engine: ManagedEngine, plan: BucketPlan) -> None:
         for key in set(self._senders) - {id(m) for m in engine.engines()}:  # engines taken out of a pool
@@ -253,8 +258,7 @@ async def publish(
 ) -> int:
     """Load the weights staged in `transport` inside the engine's critical section; returns the
     new engine version (`version`: label them with this one instead of the next)."""
-    worker_call = getattr(transport, "worker_call", None)
-    call = worker_call(plan) if worker_call is not None else None
+    call = transport.worker_call(plan)
     return await engine.update_weights_with(
         call if call is not None else (lambda: transport.load(engine, plan)),
         partial=partial,

@@ -5,9 +5,10 @@ bound to 127.0.0.1 unless told otherwise), separate from the trainers' group. Ea
 the bucket plan (length, then msgpack bytes) and then every bucket. The group's timeout bounds
 every blocking call, so a dead or stalled peer is an error, never a hang.
 
-`GlooSender` runs on the trainer side (blocking; call it from a thread). `receive_buckets` runs
-inside vLLM's worker (through the worker extension). This module does not pause the engine or
-bump versions; the critical section in the engine adapter does.
+Both halves are here: `GlooSender` runs on the trainer side (blocking; `GlooTransport` calls it
+from a thread); `GlooReceiver` (with `receive_buckets`) runs inside vLLM's worker, which
+`rollflow.engine.worker` only calls. This module does not pause the engine or bump versions; the
+critical section in the engine adapter does.
 """
 
 from __future__ import annotations
@@ -145,3 +146,30 @@ def receive_buckets(
         _broadcast(group, buffer)
     views = (view for index, buffer in enumerate(buffers) for view in unpack(plan, index, buffer))
     return plan, views
+
+
+class GlooReceiver:
+    """The engine end of the group: joined once, then one `receive` per sync, reusing its
+    receive buffers while the shapes stay the same. A failed collective leaves the group
+    unusable: the next sync needs a new join."""
+
+    def __init__(self) -> None:
+        self._group: dist.ProcessGroup | None = None
+        self._buffers: list[torch.Tensor] = []
+
+    def join(self, host: str, port: int, timeout_s: float) -> None:
+        """Join the two-process group as rank 1 (blocks until rank 0 is there)."""
+        self._group = join(host, port, 1, timeout_s)
+
+    def receive(self) -> tuple[BucketPlan, Iterator[tuple[str, torch.Tensor]]]:
+        if self._group is None:
+            raise RuntimeError("gloo receive before join (or after a failed one)")
+        try:
+            return receive_buckets(self._group, self._buffers)
+        except Exception:
+            self._group = None
+            raise
+
+    def leave(self) -> None:
+        self._group = None
+        self._buffers = []

@@ -115,6 +115,10 @@ class NcclTransport:
         self._trainer: Any = None
         self._staged: list[tuple[str, torch.Tensor]] = []
 
+    def worker_call(self, plan: Any) -> None:
+        """None: no single worker call loads these weights (`load` does)."""
+        return None
+
     async def connect(self, engine: Any) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 

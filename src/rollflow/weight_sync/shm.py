@@ -1,14 +1,18 @@
 """The `shm` transport: same host, buckets written into shared memory, loaded from it in place.
 
-The trainer side writes every bucket into one POSIX shared-memory segment (created once,
-reused while the model size is unchanged); the engine side maps the segment and hands the
-loader views into it, so no socket and no extra copy sit between the two. The sender finishes
-writing before the engine is asked to load, so a sender that dies mid-write leaves the engine's
-weights untouched. This module does not pause the engine or bump versions.
+Both halves are here. The trainer side (`ShmSender`, in this process, called by
+`rollflow.weight_sync.ShmTransport`) writes every bucket into one POSIX shared-memory segment
+(created once, reused while the model size is unchanged); the engine side (`ShmReceiver`, in
+vLLM's worker, which `rollflow.engine.worker` only calls) maps the segment and hands the loader
+views into it, so no socket and no extra copy sit between the two. The sender finishes writing
+before the engine is asked to load, so a sender that dies mid-write leaves the engine's weights
+untouched. This module does not pause the engine or bump versions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import secrets
 from collections.abc import Iterable, Iterator
@@ -81,3 +85,39 @@ def read_buckets(segment: _Mapping, plan: BucketPlan) -> Iterator[tuple[str, tor
     starts = bucket_starts(plan)
     for index, size in enumerate(plan.bucket_sizes):
         yield from unpack(plan, index, memory[starts[index] : starts[index] + size])
+
+
+class ShmReceiver:
+    """The engine end: named views into the segment of each load. The mapping stays open for the
+    next load from the same segment (the sender rewrites it in place between loads), so a load
+    neither maps nor unmaps; a segment of another name or size replaces it. The views of the
+    last (segment, plan) are kept too (making them costs more than copying a small model)."""
+
+    def __init__(self) -> None:
+        self._mapping: tuple[tuple[str, int], _Mapping] | None = None
+        self._views: tuple[tuple[str, bytes | str], tuple[int, list[tuple[str, torch.Tensor]]]] | None = None
+
+    def views(self, name: str, plan: bytes | str, decoded: BucketPlan) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """(bytes, named views) of the `BucketPlan` `decoded` (whose encoding is `plan`) laid out
+        in the segment `name`: the same list for the same segment and plan."""
+        if self._views is not None and self._views[0] == (name, plan):
+            return self._views[1]
+        key = (name, max(decoded.total_bytes, 1))
+        if self._mapping is None or self._mapping[0] != key:
+            self.close()
+            self._mapping = (key, map_segment(*key))
+        read = (decoded.total_bytes, list(read_buckets(self._mapping[1], decoded)))
+        self._views = ((name, plan), read)
+        return read
+
+    def close(self) -> None:
+        self._views = None
+        if self._mapping is None:
+            return
+        mapping, self._mapping = self._mapping[1], None
+        try:
+            mapping.close()
+        except BufferError:  # a view of the old segment is still referenced: collect, then unmap
+            gc.collect()
+            with contextlib.suppress(BufferError, ValueError):
+                mapping.close()  # else the mapping goes with the process

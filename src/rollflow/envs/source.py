@@ -1,0 +1,110 @@
+"""The one seam every source of episodes enters through.
+
+An `EpisodeSource` plays one sample's episode (`play`): the producer gives it the prompt, where
+the sample sits in its group, a `generate` that runs one model turn like any sample (streamed,
+with per-token versions, surviving weight updates and engine restarts) and the `EpisodeContext`
+(the chat template, the run's sampling, the context length). The controller starts it before
+the first episode and closes it at the end (it is `Served`), takes the prompts it brings
+(`rows`), and never asks what kind it is. `episode_source(config)` picks the adapter `[env]`'s
+`kind` names (`SOURCES`), or wraps what was passed in Python (`env=`, `agent=`).
+
+The adapters, each in one module beside the seam it feeds: `rollflow.envs.EnvironmentEpisodes`
+(step-wise environments: `tool` and `openenv`) and `rollflow.agent.AgentEpisodes` (programs that
+drive the model through the run's endpoint: `agent` and `verifiers`). A new source of episodes is
+one module with a function `episodes(settings, config) -> EpisodeSource` plus one tagged struct in
+`rollflow.config` and one line in `SOURCES`. This module plays no episode itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rollflow.config import AgentEnvConfig, Config, EpisodeConfig, ToolEnvConfig
+from rollflow.envs.protocol import Served
+from rollflow.errors import ConfigError
+from rollflow.imports import load_function
+
+if TYPE_CHECKING:
+    from rollflow.data_files import Row
+    from rollflow.envs.chat import ChatFormat
+    from rollflow.envs.protocol import GenerateTurn
+    from rollflow.records import Prompt, Sample, SamplingSpec
+
+SOURCES: dict[str, str] = {
+    "tool": "rollflow.envs:tool_episodes",
+    "openenv": "rollflow.envs.openenv:episodes",
+    "agent": "rollflow.agent:agent_episodes",
+    "verifiers": "rollflow.agent.verifiers:episodes",
+}
+"""`[env].kind` -> the function (`module:function`, imported when used) that makes its source
+from its settings and the run's config."""
+
+
+@dataclass(frozen=True)
+class EpisodeContext:
+    """What every episode of a run is played with (known once the model is loaded)."""
+
+    chat: ChatFormat
+    """Renders conversations with the model's chat template."""
+    sampling: SamplingSpec
+    """The run's sampling (each turn's budget is cut from it)."""
+    max_model_len: int
+    """Prompt + completion tokens the engine accepts."""
+
+
+class EpisodeSource(Served):
+    """Plays one sample's episode; holds what its episodes share for the run (a server, a
+    session pool, a loaded environment). `settings` are its `[env]` settings."""
+
+    settings: EpisodeConfig
+
+    async def start(self) -> None:
+        """Start what the run's episodes need (before anything heavy loads, so a bad address
+        fails in seconds)."""
+
+    async def aclose(self) -> None:
+        """Release it, however the run ends."""
+
+    def rows(self) -> list[Row] | None:
+        """The prompts the source brings (a verifiers environment's dataset), or None: the
+        run's `[data]` gives them."""
+        return None
+
+    async def play(
+        self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
+    ) -> Sample:
+        """Sample `index` of group `group_id`: the episode, recorded token by token; an episode
+        that fails is an unscorable sample with the reason, never an exception (cancellation
+        aside)."""
+        raise NotImplementedError
+
+
+def episode_source(config: Config, *, env: Any = None, agent: Any = None) -> EpisodeSource | None:
+    """What the producer runs for each sample's episode: the source `[env].kind` names, or the
+    environment factory (`env`) or agent (`agent`) passed in Python with `[env]`'s settings
+    (their defaults without one); None for single-turn samples."""
+    settings = config.env
+    if env is None and agent is None:
+        return None if settings is None else _maker(settings.__struct_config__.tag)(settings, config)
+    if env is not None and agent is not None:
+        raise ConfigError("give one source of episodes: env= or agent=, not both")
+    wanted = ToolEnvConfig if env is not None else AgentEnvConfig
+    if settings is not None and not isinstance(settings, wanted):
+        raise ConfigError(
+            f"env.kind: {settings.__struct_config__.tag!r} names another source of episodes than the "
+            f"{'env' if env is not None else 'agent'}= passed in Python; leave [env] out, or give "
+            f"kind = {wanted.__struct_config__.tag!r} with its settings"
+        )
+    if env is not None:
+        from rollflow.envs.episode import EnvironmentEpisodes
+
+        return EnvironmentEpisodes(env, settings if isinstance(settings, ToolEnvConfig) else ToolEnvConfig())
+    from rollflow.agent import agent_episodes
+
+    return agent_episodes(settings if isinstance(settings, AgentEnvConfig) else AgentEnvConfig(), config, agent)
+
+
+def _maker(kind: Any) -> Callable[[Any, Config], EpisodeSource]:
+    return load_function(SOURCES[kind], "env.kind")
