@@ -102,11 +102,11 @@ def _relative(got: Any, want: Any) -> float:
 
 
 def liger_logprobs(hidden: Any, weight: Any, targets: Any, temperature: float = 1.0) -> Any:
-    """Log-probs of `targets` through liger-kernel's fused linear cross entropy (no top-k / top-p)."""
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    """Log-probs of `targets` through the trainer's fused head (liger-kernel's fused linear
+    cross entropy, `rollflow.trainer.heads`: what a CUDA trainer with trainer.fused_loss runs)."""
+    from rollflow.trainer.heads import fused_logprobs
 
-    loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
-    return -loss(weight, hidden / temperature if temperature != 1.0 else hidden, targets)
+    return fused_logprobs(hidden, weight, targets, temperature)
 
 
 def stage_loss() -> dict[str, Any]:
@@ -177,9 +177,7 @@ def _params(trainer: Any) -> int:
 
 def stage_layouts() -> dict[str, Any]:
     torch = _cuda()
-    import rollflow.trainer.batches as batches
     from rollflow.config import TrainerConfig
-    from rollflow.loss import token_logprobs as chunked
     from rollflow.trainer import Trainer
     from rollflow.trainer.batches import model_tokens
 
@@ -187,7 +185,7 @@ def stage_layouts() -> dict[str, Any]:
     figures: dict[str, Any] = {"samples": len(batch.samples)}
     scored: dict[str, Any] = {}
     for layout in ("padded", "packed", "shared_prompt"):
-        config = TrainerConfig(dtype="bfloat16", layout=layout, micro_batch_tokens=16384, lr=1e-6)
+        config = TrainerConfig(dtype="bfloat16", layout=layout, micro_batch_tokens=16384, lr=1e-6, fused_loss=False)
         trainer = Trainer(folder, config)
         tokens = model_tokens(batch.samples, config.micro_batch_tokens, layout)
         seconds, peak = _timed(torch, lambda t=trainer: t.step(batch), repeats=2, warmup=1)
@@ -197,20 +195,14 @@ def stage_layouts() -> dict[str, Any]:
         figures[f"{layout}_model_tokens"] = tokens
         if layout == "shared_prompt":
             scored["chunked"] = trainer.score(batch.samples)
-            original = batches.token_logprobs
-
-            def fused(hidden: Any, weight: Any, targets: Any, *, temperature: float = 1.0, **rest: Any) -> Any:
-                if DRY:
-                    return chunked(hidden, weight, targets, temperature=temperature, **rest)
-                lp = liger_logprobs(hidden, weight, targets, temperature)
-                return lp, torch.zeros_like(lp).detach()  # no entropy from the fused kernel
-
-            batches.token_logprobs = fused
+            # The fused head (trainer.fused_loss, liger-kernel); the dry run (no CUDA) keeps the
+            # chunked one and checks the bookkeeping.
+            trainer.module.head = "chunked" if DRY else "fused"
             try:
                 seconds_liger, peak_liger = _timed(torch, lambda t=trainer: t.step(batch), repeats=2, warmup=1)
                 scored["liger"] = trainer.score(batch.samples)
             finally:
-                batches.token_logprobs = original
+                trainer.module.head = "chunked"
             scored["chunked_after"] = trainer.score(batch.samples)  # the same weights as "liger"
             figures["liger_step_tokens_per_s"] = tokens / seconds_liger
             figures["liger_step_peak_gib"] = peak_liger / 2**30

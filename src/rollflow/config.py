@@ -385,6 +385,12 @@ class TrainerConfig(_Section, frozen=True):
     loss_chunk: PosInt = 128
     """Tokens per chunk of LM-head logits in the log-prob computation."""
 
+    fused_loss: bool = True
+    """On CUDA with liger-kernel installed (the `gpu` extra), compute the sampled tokens'
+    log-probs with its fused linear + cross-entropy kernel; elsewhere, and for samples drawn
+    with top-k / top-p, the chunked torch head. One log line at start says which
+    (`rollflow.trainer.heads`); with the fused kernel the `entropy` metric is not measured (0)."""
+
     mini_batches: PosInt = 1
     """Optimizer updates per pass over a step's batch: the batch is split into this many parts
     (in order), each its own update. With more than one update per step (this or `epochs`), the

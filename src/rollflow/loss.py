@@ -6,21 +6,25 @@ Two parts:
    from (logits / temperature, renormalised over the top-k / top-p support when those were used),
    computed from final hidden states and the LM head in chunks of tokens. The (tokens × vocab)
    logits tensor never exists whole: a custom autograd function keeps only the inputs and
-   recomputes one chunk's logits in backward. The same path runs on CUDA; liger-kernel's fused
-   kernel is not wired in (it needs a GPU to build and check against this path).
+   recomputes one chunk's logits in backward. On CUDA with liger-kernel installed the trainer
+   may use its fused linear + cross-entropy kernel instead (`rollflow.trainer.heads`).
 
-2. `policy_loss`: the clipped policy-gradient objectives of the GRPO family (PPO-clip per
-   token, GSPO per sequence, CISPO's clipped weights) with an importance-sampling correction
-   against the behaviour log-probs recorded by the engine, a choice of normalisation, an
-   optional k3 KL to a reference, per-token loss masks, and metrics.
+2. `policy_loss`: the clipped policy-gradient objectives of the GRPO family as formulas, one
+   surrogate per objective (`ppo_clip` per token, `gspo` per sequence, `cispo`'s clipped
+   weights), an importance-sampling correction against the behaviour log-probs recorded by the
+   engine (`importance_weights`), one normalisation (`normalize`, over the whole batch's
+   `loss_divisor`), an optional KL to a reference (`kl_term`), per-token loss masks, and
+   metrics (`loss_metrics`); the settings are one `LossSpec`.
 
 No IO, no config objects, no distributed code: callers pass tensors and numbers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
+import msgspec
 import torch
 
 Normalization = Literal["grpo", "dr_grpo", "token_mean"]
@@ -224,111 +228,166 @@ def importance_weights(
     raise ValueError(f"unknown importance-sampling mode {mode!r}")
 
 
+class LossSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The policy loss's settings (`LossConfig`'s fields of the same names): which surrogate,
+    its clip range, the importance-sampling correction, the normalisation and the KL term."""
+
+    objective: Objective = "ppo_clip"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    normalization: Normalization = "token_mean"
+    is_mode: ISMode = "tis"
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+
+
+Surrogate = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossSpec], tuple[torch.Tensor, torch.Tensor]
+]
+"""(logprobs, proximal logprobs, advantages, mask, spec) -> (surrogate per token, ratio), all (B, T)."""
+
+
+def ppo_clip(
+    logprobs: torch.Tensor, proximal: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, spec: LossSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO / GRPO: min(r·A, clip(r, 1-eps_low, 1+eps_high)·A) per token, r = π / π_prox."""
+    ratio = torch.exp(logprobs - proximal)  # (B, T)
+    return torch.minimum(ratio * adv, ratio.clamp(1.0 - spec.eps_low, 1.0 + spec.eps_high) * adv), ratio
+
+
+def gspo(
+    logprobs: torch.Tensor, proximal: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, spec: LossSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: the PPO clip with one ratio per sequence, s = exp(mean over its tokens of log r),
+    clipped per sequence and spread over the sequence's tokens."""
+    seq_log_ratio = _masked_mean((logprobs - proximal) * mask, mask, dim=-1)  # (B,)
+    ratio = seq_log_ratio.exp()[:, None].expand_as(logprobs)  # (B, T), with grad
+    return torch.minimum(ratio * adv, ratio.clamp(1.0 - spec.eps_low, 1.0 + spec.eps_high) * adv), ratio
+
+
+def cispo(
+    logprobs: torch.Tensor, proximal: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, spec: LossSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO: sg(clip(r, 1-eps_low, 1+eps_high)) · A · log π: the clipped ratio is a detached
+    weight, so no token leaves the gradient."""
+    ratio = torch.exp(logprobs - proximal)  # (B, T)
+    return ratio.clamp(1.0 - spec.eps_low, 1.0 + spec.eps_high).detach() * adv * logprobs, ratio
+
+
+SURROGATES: dict[str, Surrogate] = {"ppo_clip": ppo_clip, "gspo": gspo, "cispo": cispo}
+"""Each objective's surrogate (what the loss maximises per token, before weights and normalising)."""
+
+
+def loss_divisor(normalization: Normalization, tokens: float, sequences: int, max_tokens: int) -> float:
+    """What a whole batch's summed loss is divided by (every micro-batch and rank uses the
+    batch's, so the step does not depend on how the batch is split): its loss tokens
+    (`token_mean`), its sequences (`grpo`, after each sequence's own token mean), or sequences ×
+    `max_tokens` (`dr_grpo`)."""
+    return {
+        "token_mean": max(tokens, 1.0),
+        "grpo": float(sequences),
+        "dr_grpo": float(sequences * max_tokens),
+    }[normalization]
+
+
+def normalize(per_token: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor, spec: LossSpec, divisor: float | None):
+    """The loss from per-token terms (B, T): the kept tokens summed (per sequence's token mean
+    first for `grpo`), over `divisor` (default: this batch's own, as `loss_divisor` counts it)."""
+    if spec.normalization == "token_mean":
+        return (per_token * kept).sum() / (divisor if divisor is not None else mask.sum().clamp(min=1))
+    if spec.normalization == "grpo":
+        per_seq = (per_token * kept).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+        return per_seq.sum() / (divisor if divisor is not None else per_seq.shape[0])
+    if spec.normalization == "dr_grpo":
+        if divisor is None:
+            raise ValueError("dr_grpo needs the batch's divisor (sequences × max_tokens)")
+        return (per_token * kept).sum() / divisor
+    raise ValueError(f"unknown normalization {spec.normalization!r}")
+
+
+def kl_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: KLEstimator):
+    """(per-token KL estimate to the reference, the mask of tokens it is defined on), (B, T).
+
+    Only loss tokens the reference gives a finite log-prob (under top-k / top-p it can be -inf)
+    reach the arithmetic: elsewhere delta is 0, so neither the value nor the gradient meets an
+    inf (inf × 0 would be NaN)."""
+    kl_mask = mask * torch.isfinite(ref_logprobs)
+    defined = kl_mask.bool()
+    delta = torch.where(defined, ref_logprobs, logprobs.detach()) - logprobs  # (B, T)
+    delta = torch.where(defined, delta, torch.zeros_like(delta))
+    return kl_estimate(delta, estimator), kl_mask
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    spec: LossSpec = LossSpec(),  # noqa: B008 - frozen Struct
     *,
     proximal_logprobs: torch.Tensor | None = None,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    normalization: Normalization = "token_mean",
-    denominator: float | None = None,
-    is_mode: ISMode = "tis",
-    is_cap: float = 2.0,
-    is_low: float = 0.5,
-    is_high: float = 2.0,
     ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    token_advantages: torch.Tensor | None = None,
-    objective: Objective = "ppo_clip",
-    kl_estimator: KLEstimator = "k3",
+    divisor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped policy-gradient loss with importance-sampling correction.
+    """The clipped policy-gradient loss of `spec.objective` with importance-sampling correction.
 
-    logprobs: (B, T) current policy, with grad. behaviour_logprobs: (B, T) from the engine.
-    advantages: (B,) per sequence (or `token_advantages` (B, T) for per-token rewards).
-    mask: (B, T) 1 for tokens in the loss (policy tokens within the staleness bound).
-    proximal_logprobs: (B, T) the policy before this step; defaults to `logprobs.detach()`
-    (one optimizer step per batch), which makes the PPO ratio 1 with the gradient of log π.
-
-    The loss per token is -w · f(r, A) + kl_coef · KL estimate (`kl_estimator`), with r = π/π_prox, w the importance
-    weight π_prox/μ, and f by `objective`:
-    - `ppo_clip`: min(r·A, clip(r, 1-eps_low, 1+eps_high)·A) per token (PPO / GRPO);
-    - `gspo`: the same with one ratio per sequence, s = exp(mean over its tokens of log r),
-      clipped per sequence (GSPO), spread over the sequence's tokens;
-    - `cispo`: sg(clip(r, 1-eps_low, 1+eps_high)) · A · log π: the clipped ratio is a detached
-      weight, so no token leaves the gradient (CISPO).
-    Normalisation:
-    - `token_mean`: sum over tokens / number of tokens (DAPO);
-    - `grpo`: mean over each sequence's tokens, then over sequences;
-    - `dr_grpo`: sum over tokens / (sequences × `denominator`, a constant such as max_tokens).
-    Divisors count the tokens of `mask`, so tokens dropped by importance sampling lower the loss
-    without re-weighting the rest. `denominator` overrides the divisor of `token_mean` (token
-    count) and `grpo` (sequence count), so that a micro-batch or one rank's shard can be
-    normalised by the whole batch's count.
-    """
+    All (B, T): logprobs (current policy, with grad), behaviour_logprobs (from the engine),
+    advantages (per token), mask (1 for tokens in the loss). proximal_logprobs: the policy
+    before this step; defaults to `logprobs.detach()` (one optimizer step per batch), which makes
+    the ratio 1 with the gradient of log π. The loss per token is -w · surrogate + kl_coef · KL,
+    w the importance weight π_prox / μ; `normalize` turns it into one number, over `divisor`
+    (`loss_divisor` of the whole batch; default: this batch's own). Tokens dropped by importance
+    sampling lower the loss without re-weighting the rest."""
     mask = mask.to(logprobs.dtype)
-    if proximal_logprobs is None:
-        proximal_logprobs = logprobs.detach()
-    adv = token_advantages if token_advantages is not None else advantages[:, None].expand_as(logprobs)  # (B, T)
+    proximal = logprobs.detach() if proximal_logprobs is None else proximal_logprobs
     weights, kept = importance_weights(
-        proximal_logprobs, behaviour_logprobs, mask, mode=is_mode, cap=is_cap, low=is_low, high=is_high
+        proximal, behaviour_logprobs, mask, mode=spec.is_mode, cap=spec.is_cap, low=spec.is_low, high=spec.is_high
     )
-    ratio = torch.exp(logprobs - proximal_logprobs)  # (B, T)
-    if objective == "gspo":  # one ratio per sequence: the geometric mean of its token ratios
-        seq_log_ratio = _masked_mean((logprobs - proximal_logprobs) * mask, mask, dim=-1)  # (B,)
-        ratio = seq_log_ratio.exp()[:, None].expand_as(logprobs)  # (B, T), with grad
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    if objective == "cispo":
-        surrogate = clipped.detach() * adv * logprobs
-    elif objective in ("ppo_clip", "gspo"):
-        surrogate = torch.minimum(ratio * adv, clipped * adv)
-    else:
-        raise ValueError(f"unknown objective {objective!r}")
+    if spec.objective not in SURROGATES:
+        raise ValueError(f"unknown objective {spec.objective!r}")
+    surrogate, ratio = SURROGATES[spec.objective](logprobs, proximal, advantages, mask, spec)
     per_token = -weights.detach() * surrogate  # (B, T)
-    kl = torch.zeros_like(per_token)
-    kl_mask = mask
-    if ref_logprobs is not None and kl_coef != 0.0:
-        # Only loss tokens the reference gives a finite log-prob (under top-k / top-p it can be
-        # -inf) reach the arithmetic: elsewhere delta is 0, so neither the value nor the
-        # gradient meets an inf (inf × 0 would be NaN).
-        kl_mask = mask * torch.isfinite(ref_logprobs)
-        defined = kl_mask.bool()
-        delta = torch.where(defined, ref_logprobs, logprobs.detach()) - logprobs  # (B, T)
-        delta = torch.where(defined, delta, torch.zeros_like(delta))
-        kl = kl_estimate(delta, kl_estimator)
-        per_token = per_token + kl_coef * kl
-    if normalization == "token_mean":
-        loss = (per_token * kept).sum() / (denominator if denominator is not None else mask.sum().clamp(min=1))
-    elif normalization == "grpo":
-        per_seq = (per_token * kept).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
-        loss = per_seq.sum() / (denominator if denominator is not None else per_seq.shape[0])
-    elif normalization == "dr_grpo":
-        if denominator is None:
-            raise ValueError("dr_grpo needs a constant `denominator` (e.g. sequences × max_tokens)")
-        loss = (per_token * kept).sum() / denominator
-    else:
-        raise ValueError(f"unknown normalization {normalization!r}")
+    kl, kl_mask = torch.zeros_like(per_token), mask
+    if ref_logprobs is not None and spec.kl_coef != 0.0:
+        kl, kl_mask = kl_term(logprobs, ref_logprobs, mask, spec.kl_estimator)
+        per_token = per_token + spec.kl_coef * kl
+    loss = normalize(per_token, kept, mask, spec, divisor)
+    return loss, loss_metrics(spec, ratio, advantages, proximal, behaviour_logprobs, mask, kept, kl, kl_mask)
 
-    with torch.no_grad():
-        is_ratio = (proximal_logprobs - behaviour_logprobs).exp()
-        valid = mask.bool()
-        values = is_ratio[valid] if valid.any() else torch.ones(1)
-        log_ratio = (proximal_logprobs - behaviour_logprobs)[valid] if valid.any() else torch.zeros(1)
-        if objective == "cispo":  # every clipped weight counts: no token is dropped either way
-            clip_hit = (ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)
-        else:
-            clip_hit = ((ratio < 1.0 - eps_low) & (adv < 0)) | ((ratio > 1.0 + eps_high) & (adv > 0))
-        metrics = {
-            "ratio_mean": values.mean(),
-            "ratio_min": values.min(),
-            "ratio_max": values.max(),
-            "clip_frac": _masked_mean(clip_hit.to(mask.dtype), mask),
-            "is_masked_frac": 1.0 - kept.sum() / mask.sum().clamp(min=1),
-            # KL(μ || π) by the k3 estimator over the behaviour samples: r - 1 - log r, r = π/μ.
-            "mismatch_kl": (log_ratio.exp() - 1.0 - log_ratio).mean(),
-            "kl_ref": _masked_mean(kl, kl_mask),
-        }
-    return loss, metrics
+
+@torch.no_grad()
+def loss_metrics(
+    spec: LossSpec,
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    kept: torch.Tensor,
+    kl: torch.Tensor,
+    kl_mask: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """What a step logs of its loss: the importance ratios' spread, the clipped fraction, the
+    share masked by importance sampling, the behaviour/trainer mismatch and the KL to the reference."""
+    valid = mask.bool()
+    any_valid = bool(valid.any())
+    values = (proximal - behaviour).exp()[valid] if any_valid else torch.ones(1)
+    log_ratio = (proximal - behaviour)[valid] if any_valid else torch.zeros(1)
+    low, high = 1.0 - spec.eps_low, 1.0 + spec.eps_high
+    if spec.objective == "cispo":  # every clipped weight counts: no token is dropped either way
+        clip_hit = (ratio < low) | (ratio > high)
+    else:
+        clip_hit = ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
+    return {
+        "ratio_mean": values.mean(),
+        "ratio_min": values.min(),
+        "ratio_max": values.max(),
+        "clip_frac": _masked_mean(clip_hit.to(mask.dtype), mask),
+        "is_masked_frac": 1.0 - kept.sum() / mask.sum().clamp(min=1),
+        # KL(μ || π) by the k3 estimator over the behaviour samples: r - 1 - log r, r = π/μ.
+        "mismatch_kl": (log_ratio.exp() - 1.0 - log_ratio).mean(),
+        "kl_ref": _masked_mean(kl, kl_mask),
+    }

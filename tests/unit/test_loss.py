@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from rollflow.loss import importance_weights, naive_token_logprobs, policy_loss, support_mask, token_logprobs
+from rollflow.loss import (
+    LossSpec,
+    importance_weights,
+    naive_token_logprobs,
+    policy_loss,
+    support_mask,
+    token_logprobs,
+)
 
 
 def _inputs(n: int, h: int, v: int, seed: int = 0):
@@ -79,6 +86,11 @@ def _on_policy():
     return logprobs, behaviour, advantages, mask
 
 
+def per_token(advantages, like):
+    """A sequence's advantage on each of its tokens, (B,) -> (B, T) like `like`."""
+    return advantages[:, None].expand_as(like)
+
+
 @pytest.mark.parametrize(
     ("normalization", "denominator", "loss_value", "grad"),
     [
@@ -90,7 +102,8 @@ def _on_policy():
 def test_normalizations_by_hand(normalization, denominator, loss_value, grad):
     logprobs, behaviour, advantages, mask = _on_policy()
     loss, metrics = policy_loss(
-        logprobs, behaviour, advantages, mask, normalization=normalization, denominator=denominator
+        logprobs, behaviour, per_token(advantages, logprobs), mask, LossSpec(normalization=normalization),
+        divisor=denominator,
     )
     loss.backward()
     assert loss.item() == pytest.approx(loss_value, abs=1e-6)
@@ -105,8 +118,8 @@ def test_asymmetric_clipping_stops_the_gradient_only_where_it_should():
     logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.1, 0.7]])).requires_grad_(True)
     token_adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
     loss, metrics = policy_loss(
-        logprobs, proximal, torch.zeros(1), torch.ones(1, 4), proximal_logprobs=proximal,
-        token_advantages=token_adv, eps_low=0.2, eps_high=0.28, is_mode="none",
+        logprobs, proximal, token_adv, torch.ones(1, 4), LossSpec(eps_low=0.2, eps_high=0.28, is_mode="none"),
+        proximal_logprobs=proximal,
     )
     loss.backward()
     g = logprobs.grad[0]
@@ -143,8 +156,8 @@ def test_sequence_is_uses_the_mean_log_ratio_not_the_sum():
 def test_is_weights_scale_the_gradient_and_masked_tokens_count():
     logprobs = torch.zeros(1, 2, requires_grad=True)
     behaviour = torch.log(torch.tensor([[0.5, 4.0]]))  # ratios 2 and 0.25
-    loss, metrics = policy_loss(logprobs, behaviour, torch.tensor([1.0]), torch.ones(1, 2), is_mode="mis",
-                                is_low=0.5, is_high=2.0)
+    loss, metrics = policy_loss(logprobs, behaviour, torch.ones(1, 2), torch.ones(1, 2),
+                                LossSpec(is_mode="mis", is_low=0.5, is_high=2.0))
     loss.backward()
     assert logprobs.grad.tolist() == [[pytest.approx(-2.0 / 2), 0.0]]
     assert metrics["is_masked_frac"].item() == pytest.approx(0.5)
@@ -153,13 +166,14 @@ def test_is_weights_scale_the_gradient_and_masked_tokens_count():
 
 def test_k3_kl_to_reference():
     logprobs, behaviour, advantages, mask = _on_policy()
-    _, metrics = policy_loss(logprobs, behaviour, advantages, mask, ref_logprobs=logprobs.detach(), kl_coef=0.1)
+    adv = per_token(advantages, logprobs)
+    _, metrics = policy_loss(logprobs, behaviour, adv, mask, LossSpec(kl_coef=0.1), ref_logprobs=logprobs.detach())
     assert metrics["kl_ref"].item() == pytest.approx(0.0)
     ref = logprobs.detach() + 0.5
-    loss_kl, metrics = policy_loss(logprobs, behaviour, advantages, mask, ref_logprobs=ref, kl_coef=0.1)
+    loss_kl, metrics = policy_loss(logprobs, behaviour, adv, mask, LossSpec(kl_coef=0.1), ref_logprobs=ref)
     k3 = math.exp(0.5) - 0.5 - 1
     assert metrics["kl_ref"].item() == pytest.approx(k3, rel=1e-6)
-    loss_plain, _ = policy_loss(logprobs, behaviour, advantages, mask)
+    loss_plain, _ = policy_loss(logprobs, behaviour, adv, mask)
     assert (loss_kl - loss_plain).item() == pytest.approx(0.1 * k3, rel=1e-5)
 
 
@@ -173,12 +187,12 @@ def test_kl_to_a_reference_with_truncated_support_stays_finite():
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])  # token 2: an environment token
     inf = float("-inf")
     ref = torch.tensor([[-1.5, inf, inf, -1.0]])  # token 1 outside the reference's support
-    loss, metrics = policy_loss(logprobs, behaviour, torch.tensor([1.0]), mask, ref_logprobs=ref, kl_coef=0.1)
+    loss, metrics = policy_loss(logprobs, behaviour, torch.ones(1, 4), mask, LossSpec(kl_coef=0.1), ref_logprobs=ref)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
     k3 = [math.exp(d) - d - 1.0 for d in (-0.5, 0.5)]  # tokens 0 and 3
     assert metrics["kl_ref"].item() == pytest.approx(sum(k3) / 2, rel=1e-5)
-    plain, _ = policy_loss(logprobs.detach(), behaviour, torch.tensor([1.0]), mask)
+    plain, _ = policy_loss(logprobs.detach(), behaviour, torch.ones(1, 4), mask)
     assert (loss - plain).item() == pytest.approx(0.1 * sum(k3) / 3, rel=1e-5)  # divided by the 3 loss tokens
     assert logprobs.grad[0, 2].item() == 0.0 and logprobs.grad[0, 1].item() == pytest.approx(-1.0 / 3, rel=1e-5)
 
@@ -189,8 +203,8 @@ def _three_tokens(old: list[float], advantage: float, objective: str):
     logprobs = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
     old_t = torch.tensor([old], dtype=torch.float64)
     loss, metrics = policy_loss(
-        logprobs, old_t, torch.tensor([advantage], dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64),
-        proximal_logprobs=old_t, eps_low=0.2, eps_high=0.28, is_mode="none", objective=objective,
+        logprobs, old_t, torch.full((1, 3), advantage, dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64),
+        LossSpec(eps_low=0.2, eps_high=0.28, is_mode="none", objective=objective), proximal_logprobs=old_t,
     )
     loss.backward()
     return loss.item(), logprobs.grad[0].tolist(), metrics
@@ -236,10 +250,54 @@ def test_kl_estimators_have_their_closed_form_and_stay_finite_where_undefined(es
     ref = torch.tensor([[-1.5, float("-inf"), -1.5]], dtype=torch.float64)  # the middle token: outside its support
     mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)  # the last token is not in the loss
     loss, metrics = policy_loss(
-        logprobs, logprobs.detach(), torch.zeros(1, dtype=torch.float64), mask, is_mode="none",
-        ref_logprobs=ref, kl_coef=1.0, kl_estimator=estimator, normalization="token_mean",
+        logprobs, logprobs.detach(), torch.zeros(1, 3, dtype=torch.float64), mask,
+        LossSpec(is_mode="none", kl_coef=1.0, kl_estimator=estimator, normalization="token_mean"), ref_logprobs=ref,
     )
     loss.backward()
     # Advantages are 0, so the loss is the KL term of the one defined loss token over 2 loss tokens.
     assert loss.item() == pytest.approx(value / 2) and metrics["kl_ref"].item() == pytest.approx(value)
     assert logprobs.grad[0].tolist() == pytest.approx([slope / 2, 0.0, 0.0])
+
+
+def test_the_fused_head_is_chosen_only_on_cuda_with_liger_and_otherwise_the_chunked_head_serves(caplog, monkeypatch):
+    """liger-kernel's fused kernel plugs in behind the same loss on CUDA with the package
+    installed; elsewhere, and for truncated sampling it does not know, the chunked head runs. One
+    log line says which."""
+    import importlib.util
+    import logging
+
+    from rollflow.trainer import heads
+
+    with caplog.at_level(logging.INFO, "rollflow.trainer.heads"):
+        assert heads.choose_head(True, torch.device("cpu")) == (
+            "chunked", "liger-kernel's fused kernel needs CUDA (the trainer is on cpu)"
+        )
+    assert [r.getMessage() for r in caplog.records] == [
+        "loss head: chunked (liger-kernel's fused kernel needs CUDA (the trainer is on cpu))"
+    ]
+    assert heads.choose_head(False, torch.device("cuda"))[0] == "chunked"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert heads.choose_head(True, torch.device("cuda")) == (
+        "chunked", "liger-kernel is not installed (pip install 'rollflow[gpu]')"
+    )
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert heads.choose_head(True, torch.device("cuda"))[0] == "fused"
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(6, 8), torch.randn(20, 8)
+    targets = torch.randint(0, 20, (6,))
+    called = []
+
+    def fake_fused(hidden, weight, targets, temperature):
+        called.append(temperature)
+        return naive_token_logprobs(hidden, weight, targets, temperature=temperature)
+
+    monkeypatch.setattr(heads, "fused_logprobs", fake_fused)
+    settings = {"temperature": 0.7, "top_k": 5, "top_p": 1.0, "chunk": 4}
+    truncated, _ = heads.head_logprobs("fused", hidden, weight, targets, **settings)
+    want = naive_token_logprobs(hidden, weight, targets, temperature=0.7, top_k=5)
+    assert called == [] and torch.allclose(truncated, want, atol=1e-5 * want.abs().max().item())
+    plain, entropy = heads.head_logprobs("fused", hidden, weight, targets, **(settings | {"top_k": 0}))
+    assert called == [0.7] and entropy.abs().sum() == 0  # the fused kernel measures no entropy
+    chunked, _ = heads.head_logprobs("chunked", hidden, weight, targets, **(settings | {"top_k": 0}))
+    assert torch.allclose(plain, chunked, atol=1e-5 * chunked.abs().max().item())

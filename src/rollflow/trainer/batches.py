@@ -1,6 +1,7 @@
 """What one micro-batch pass needs: the log-prob module, the rank and micro-batch plans, layouts.
 
-`PolicyHead` wraps the causal LM with the chunked log-prob head (full logits never exist);
+`PolicyHead` wraps the causal LM with the log-prob head (`rollflow.trainer.heads`: full logits
+never exist);
 `plan_shards` splits a batch across ranks by tokens, `plan_micro_batches` fills one rank's
 share into micro-batches under a token budget, `pad` turns a micro-batch into tensors in one of
 the three layouts (`Layout`: padded rows, one packed row, one packed row with each group's prompt
@@ -18,9 +19,9 @@ import torch
 from torch import nn
 
 from rollflow.config import TrainerConfig
-from rollflow.loss import token_logprobs
 from rollflow.records import TrainSample
 from rollflow.trainer.attention import NO_MASK, Segment
+from rollflow.trainer.heads import Head, head_logprobs
 
 
 class PolicyHead(nn.Module):
@@ -30,10 +31,12 @@ class PolicyHead(nn.Module):
     custom log-prob function exactly as for any other layer.
     """
 
-    def __init__(self, lm: nn.Module, chunk: int) -> None:
+    def __init__(self, lm: nn.Module, chunk: int, head: Head = "chunked") -> None:
         super().__init__()
         self.lm = lm
         self.chunk = chunk
+        self.head = head
+        """`chunked` or `fused` (`rollflow.trainer.heads.choose_head`)."""
 
     def forward(
         self,
@@ -55,8 +58,8 @@ class PolicyHead(nn.Module):
         out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **extra)
         rows = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1]).index_select(0, gather)  # (N, H)
         weight = self.lm.get_output_embeddings().weight  # type: ignore[operator]  # (V, H)
-        return token_logprobs(
-            rows, weight, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk=self.chunk
+        return head_logprobs(
+            self.head, rows, weight, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk=self.chunk
         )
 
 

@@ -27,11 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 from rollflow.config import LoRAConfig, LossConfig, TrainerConfig
-from rollflow.loss import policy_loss
+from rollflow.loss import LossSpec, loss_divisor, policy_loss
 from rollflow.records import TrainBatch, TrainSample
 from rollflow.trainer.attention import use_segment_attention
 from rollflow.trainer.batches import PolicyHead, lr_factor, pad, plan_micro_batches, plan_shards
 from rollflow.trainer.export import full
+from rollflow.trainer.heads import choose_head
 from rollflow.trainer.state import TrainerState
 
 log = logging.getLogger(__name__)
@@ -65,14 +66,17 @@ class Trainer(TrainerState):
             lm.gradient_checkpointing_enable()
         if config.layout != "padded":
             use_segment_attention(lm)
+        self.head, _ = choose_head(config.fused_loss, self.device)
+        """The log-prob head: `fused` (liger-kernel) or `chunked`."""
+        self.spec = loss_spec(loss)
         self.reference: PolicyHead | None = None
         if loss.kl_coef > 0 and not config.lora.enabled:
             ref = copy.deepcopy(lm).eval().requires_grad_(False)
-            self.reference = self._shard(PolicyHead(ref, config.loss_chunk))
+            self.reference = self._shard(PolicyHead(ref, config.loss_chunk, self.head))
         torch.manual_seed(config.seed)  # identical adapter initialisation on every rank
         if config.lora.enabled:
             lm = with_lora(lm, config.lora)  # type: ignore[assignment]
-        self.module = self._shard(PolicyHead(lm, config.loss_chunk))
+        self.module = self._shard(PolicyHead(lm, config.loss_chunk, self.head))
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=False
@@ -176,13 +180,8 @@ class Trainer(TrainerState):
         sampling = settings.pop()
         if sampling[0] <= 0:
             raise ValueError("greedy samples (temperature 0) have no distribution to train on")
-        cfg = self.loss_config
         total_tokens = float(sum(sum(s.loss_mask) for s in samples))
-        denominator = {
-            "token_mean": max(total_tokens, 1.0),
-            "grpo": float(len(samples)),
-            "dr_grpo": float(len(samples) * batch.max_tokens),
-        }[cfg.normalization]
+        divisor = loss_divisor(self.spec.normalization, total_tokens, len(samples), batch.max_tokens)
         shards = plan_shards(samples, self.world_size, self.config.layout)
         plans = [plan_micro_batches(samples, s, self.config.micro_batch_tokens, self.config.layout) for s in shards]
         shard, mine = shards[self.rank], plans[self.rank]
@@ -215,7 +214,7 @@ class Trainer(TrainerState):
                 t["mask"] = t["mask"] * finite
                 logprobs = torch.where(finite, logprobs, torch.zeros_like(logprobs))
             ref = None
-            if cfg.kl_coef > 0:
+            if self.spec.kl_coef > 0:
                 with torch.no_grad():
                     if self.reference is not None:
                         ref, _ = self._logprobs(self.reference, t, sampling)
@@ -223,25 +222,9 @@ class Trainer(TrainerState):
                         with self.lm.disable_adapter():  # type: ignore[operator]
                             ref, _ = self._logprobs(self.module, t, sampling)
             loss, m = policy_loss(
-                logprobs,
-                t["behaviour"],
-                torch.zeros(len(micro), device=self.device),
-                t["mask"],
-                proximal_logprobs=old,
-                objective=cfg.objective,
-                token_advantages=t["token_adv"],
-                eps_low=cfg.eps_low,
-                eps_high=cfg.eps_high,
-                normalization=cfg.normalization,
-                denominator=denominator,
-                is_mode=cfg.is_mode,
-                is_cap=cfg.is_cap,
-                is_low=cfg.is_low,
-                is_high=cfg.is_high,
-                ref_logprobs=ref,
-                kl_coef=cfg.kl_coef,
-                kl_estimator=cfg.kl_estimator,
-            )
+                logprobs, t["behaviour"], t["token_adv"], t["mask"], self.spec,
+                proximal_logprobs=old, ref_logprobs=ref, divisor=divisor,
+            )  # fmt: skip
             # FSDP2 averages gradients over ranks; the loss is already normalised by the whole
             # batch, so scale back up to get the sum.
             (loss * self.world_size).backward()
@@ -336,3 +319,8 @@ def with_lora(lm: nn.Module, config: LoRAConfig) -> nn.Module:
             target_modules=list(config.target_modules),
         ),
     )
+
+
+def loss_spec(config: LossConfig) -> LossSpec:
+    """The loss settings of `config` (`LossSpec`'s fields are `LossConfig`'s of the same names)."""
+    return LossSpec(**{name: getattr(config, name) for name in LossSpec.__struct_fields__})
