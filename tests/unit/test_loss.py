@@ -301,3 +301,32 @@ def test_the_fused_head_is_chosen_only_on_cuda_with_liger_and_otherwise_the_chun
     assert called == [0.7] and entropy.abs().sum() == 0  # the fused kernel measures no entropy
     chunked, _ = heads.head_logprobs("chunked", hidden, weight, targets, **(settings | {"top_k": 0}))
     assert torch.allclose(plain, chunked, atol=1e-5 * chunked.abs().max().item())
+
+
+def test_a_fused_kernel_whose_backward_ignores_per_token_weights_fails_its_check(monkeypatch):
+    """A policy loss weighs each token's log-prob by its own advantage; a kernel whose backward
+    takes those weights as one scale would train on wrong gradients. The trainer checks the
+    fused kernel against the chunked head before using it."""
+    from rollflow.trainer import heads
+
+    weight = torch.randn(50, 16) * 0.3
+
+    class OneScale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, targets):
+            ctx.save_for_backward(hidden, weight, targets)
+            return naive_token_logprobs(hidden, weight, targets)
+
+        @staticmethod
+        def backward(ctx, grad):
+            hidden, weight, targets = ctx.saved_tensors
+            with torch.enable_grad():
+                h = hidden.detach().requires_grad_(True)
+                naive_token_logprobs(h, weight, targets).sum().backward()
+            return h.grad * grad.mean(), None, None  # every token scaled alike: wrong
+
+    monkeypatch.setattr(heads, "fused_logprobs", lambda h, w, t, temperature: naive_token_logprobs(h, w, t))
+    assert heads.check_fused(weight) is None  # a kernel that honours per-token weights passes
+    monkeypatch.setattr(heads, "fused_logprobs", lambda h, w, t, temperature: OneScale.apply(h, w, t))
+    problem = heads.check_fused(weight)
+    assert problem is not None and problem.startswith("per-token gradient off the chunked head")

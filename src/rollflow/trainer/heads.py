@@ -6,8 +6,12 @@ settings, entropy measured) and, on CUDA with liger-kernel installed and `traine
 on, liger-kernel's fused linear + cross-entropy kernel, which computes the same log-probs
 without materialising logits either, in one Triton kernel. The fused kernel knows no top-k /
 top-p truncation and measures no entropy: a micro-batch sampled with truncation goes through
-the chunked head, and the fused one reports entropy 0. One log line at start says which head a
-trainer uses and why. This module holds no model; `rollflow.trainer.batches.PolicyHead` calls it.
+the chunked head, and the fused one reports entropy 0. Before a trainer uses the fused kernel,
+`check_fused` compares it with the chunked head on the model's own LM head (the log-probs, and the
+gradient of a per-token weighted sum, as a policy loss weighs tokens): a kernel whose backward
+takes the per-token weights as one scale would train on wrong gradients, so a mismatch keeps the
+chunked head, with a warning. One log line at start says which head a trainer uses and why. This
+module holds no model; `rollflow.trainer.batches.PolicyHead` calls it.
 """
 
 from __future__ import annotations
@@ -68,3 +72,38 @@ def head_logprobs(
         logprobs = fused_logprobs(hidden, weight, targets, temperature)
         return logprobs, torch.zeros_like(logprobs)
     return token_logprobs(hidden, weight, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk=chunk)
+
+
+CHECK_TOKENS = 256
+"""Tokens of the fused kernel's check against the chunked head."""
+
+CHECK_TOLERANCE = 2e-2
+"""Largest difference allowed, relative to the chunked head's scale (bf16 kernels differ in
+their last bits; a wrong per-token gradient differs by its whole size)."""
+
+
+def check_fused(weight: torch.Tensor, temperature: float = 1.0) -> str | None:
+    """Why the fused kernel must not train with the LM head `weight` (V, H), or None: its
+    log-probs and the gradient of a per-token weighted sum of them (random weights of both
+    signs, as a policy loss's) against the chunked head's, relative to their scale."""
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    head = weight.detach()
+    hidden = torch.randn(CHECK_TOKENS, head.shape[1], device=head.device, generator=generator, dtype=head.dtype)
+    targets = torch.randint(0, head.shape[0], (CHECK_TOKENS,), device=head.device, generator=generator)
+    scale = torch.randn(CHECK_TOKENS, device=head.device, generator=generator)
+    results = []
+    for fused in (True, False):
+        h = hidden.clone().requires_grad_(True)
+        if fused:
+            logprobs = fused_logprobs(h, head, targets, temperature)
+        else:
+            logprobs, _ = token_logprobs(h, head, targets, temperature=temperature)
+        (logprobs.float() * scale).sum().backward()
+        assert h.grad is not None
+        results.append((logprobs.detach().float(), h.grad.float()))
+    (fused_lp, fused_grad), (lp, grad) = results
+    for name, got, want in (("log-probs", fused_lp, lp), ("per-token gradient", fused_grad, grad)):
+        error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+        if not error <= CHECK_TOLERANCE:
+            return f"{name} off the chunked head's by {error:.3g} of their scale"
+    return None

@@ -32,7 +32,7 @@ from rollflow.records import TrainBatch, TrainSample
 from rollflow.trainer.attention import use_segment_attention
 from rollflow.trainer.batches import PolicyHead, lr_factor, pad, plan_micro_batches, plan_shards
 from rollflow.trainer.export import full
-from rollflow.trainer.heads import choose_head
+from rollflow.trainer.heads import check_fused, choose_head
 from rollflow.trainer.state import TrainerState
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,9 @@ class Trainer(TrainerState):
             use_segment_attention(lm)
         self.head, _ = choose_head(config.fused_loss, self.device)
         """The log-prob head: `fused` (liger-kernel) or `chunked`."""
+        if self.head == "fused" and (problem := check_fused(lm.get_output_embeddings().weight)) is not None:
+            log.warning("loss head: chunked after all: liger-kernel's fused kernel failed its check (%s)", problem)
+            self.head = "chunked"
         self.spec = loss_spec(loss)
         self.reference: PolicyHead | None = None
         if loss.kl_coef > 0 and not config.lora.enabled:
