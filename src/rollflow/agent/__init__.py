@@ -29,7 +29,7 @@ from rollflow.agent.http import http_client
 from rollflow.agent.server import AgentServer
 from rollflow.config import AgentEnvConfig, Config, EndpointConfig
 from rollflow.data_files import Row
-from rollflow.envs import EpisodeLimits, GenerateTurn, Served
+from rollflow.envs import GenerateTurn, Served
 from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.errors import ConfigError
 from rollflow.imports import load_function
@@ -131,12 +131,7 @@ class AgentEpisodes(EpisodeSource):
     async def play(
         self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
     ) -> Sample:
-        limits = EpisodeLimits(
-            max_turns=self.settings.max_turns,
-            max_tokens=self.settings.max_tokens,
-            max_model_len=context.max_model_len,
-            step_timeout_s=self.settings.step_timeout_s,
-        )
+        limits = context.limits(self.settings)
         episode = AgentEpisode(prompt, context.sampling, generate, context.chat, limits)
         return await run_agent(
             self.agent, episode, self.server, group_id=group_id, index=index, timeout_s=self.settings.episode_timeout_s

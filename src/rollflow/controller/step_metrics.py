@@ -56,7 +56,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     overlong_filtered: int = 0
     """Samples cut at the token budget left out of the loss (`rollout.overlong = "filter"`)."""
     agent_splits: int = 0
-    """Extra sequences trained because an agent rewrote its conversation's history (`env.agent`)."""
+    """Extra sequences trained because an agent rewrote its conversation's history (`[env] kind = "agent"` or
+    `"verifiers"`)."""
     teacher_kl: float | None = None
     """On-policy distillation: mean of behaviour minus teacher log-prob over the batch's tokens."""
     teacher_gap_abs_max: float | None = None

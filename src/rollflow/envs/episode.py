@@ -288,12 +288,7 @@ class EnvironmentEpisodes(EpisodeSource):
     async def play(
         self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
     ) -> Sample:
-        limits = EpisodeLimits(
-            max_turns=self.settings.max_turns,
-            max_tokens=self.settings.max_tokens,
-            max_model_len=context.max_model_len,
-            step_timeout_s=self.settings.step_timeout_s,
-        )
+        limits = context.limits(self.settings)
         env = await open_environment(self.factory)
         return await run_episode(
             env, prompt, context.sampling, generate, context.chat, group_id=group_id, index=index, limits=limits

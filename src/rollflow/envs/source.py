@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollflow.config import AgentEnvConfig, Config, EpisodeConfig, ToolEnvConfig
-from rollflow.envs.protocol import Served
+from rollflow.envs.protocol import EpisodeLimits, Served
 from rollflow.errors import ConfigError
 from rollflow.imports import load_function
 
@@ -52,6 +52,15 @@ class EpisodeContext:
     """The run's sampling (each turn's budget is cut from it)."""
     max_model_len: int
     """Prompt + completion tokens the engine accepts."""
+
+    def limits(self, settings: EpisodeConfig) -> EpisodeLimits:
+        """An episode's bounds under `settings` (`[env]`'s) in this run."""
+        return EpisodeLimits(
+            max_turns=settings.max_turns,
+            max_tokens=settings.max_tokens,
+            max_model_len=self.max_model_len,
+            step_timeout_s=settings.step_timeout_s,
+        )
 
 
 class EpisodeSource(Served):
