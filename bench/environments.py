@@ -1,15 +1,17 @@
 """Environment adapter cost: the same concurrent single-turn questions generated through
 `rollout()` directly, as episodes of a verifiers environment (its own rollout and rubric, through
-the run's OpenAI-compatible endpoint), and as episodes of an OpenEnv environment (a session with
-its server: reset, the model's turn, step), alternating for several rounds in one run.
+the run's OpenAI-compatible endpoint), as episodes of an OpenEnv environment (a session with
+its server: reset, the model's turn, step), and as episodes of a TRL environment class (an
+instance, its reset, the model's turn with the tools shown, its get_reward), alternating for
+several rounds in one run.
 
 Every path samples the same number of tokens per question (ignore_eos, fixed max_tokens) on one
 in-process engine of the tiny model; the adapters add what they are: verifiers' rollout, the HTTP
 round trip and the episode's recording for the one, a WebSocket session per episode with the
 OpenEnv server (started by the bench, as `env.openenv_server` does) for the other. Prints a table
-per adapter, each ending with its RESULT line, `RESULT verifiers_ratio=<x>` and `RESULT
-openenv_ratio=<y>` (median over rounds of the adapter's tokens/s divided by `rollout()`'s; 1.0 =
-no cost).
+per adapter, each ending with its RESULT line, `RESULT verifiers_ratio=<x>`, `RESULT
+openenv_ratio=<y>` and `RESULT factory_ratio=<z>` (median over rounds of the adapter's tokens/s
+divided by `rollout()`'s; 1.0 = no cost).
 
     bin/dev python bench/environments.py [--requests 32] [--tokens 128] [--rounds 12]
 """
@@ -25,10 +27,12 @@ from sidebyside import alternate, engine_args, report
 
 from rollflow.agent import AgentEpisode, AgentServer, run_agent
 from rollflow.agent.verifiers import VerifiersEnv
-from rollflow.config import EngineConfig
+from rollflow.config import Config, EngineConfig, FactoryEnvConfig
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.envs import ChatFormat, EpisodeLimits, run_episode
+from rollflow.envs.factory import FactoryEpisodes, episodes
 from rollflow.envs.openenv import OpenEnvSource
+from rollflow.envs.source import EpisodeContext
 from rollflow.models import load_tokenizer, resolve_model
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout
@@ -75,9 +79,24 @@ async def openenv(engine, chat, spec, source: OpenEnvSource, prompts, tag: str) 
     return sum(sum(s.loss_mask) for s in samples)
 
 
+async def factory(engine, chat, spec, source: FactoryEpisodes, prompts, tag: str) -> int:
+    context = EpisodeContext(chat=chat, sampling=spec, max_model_len=engine.config.max_model_len)
+    samples = await asyncio.gather(
+        *(
+            source.play(p, group_id=f"{tag}-{i}", index=0, generate=turns(engine, f"{tag}-{i}"), context=context)
+            for i, p in enumerate(prompts)
+        )
+    )
+    for i in range(len(prompts)):
+        source.done(f"{tag}-{i}")
+    assert all(s.unscorable is None for s in samples), [s.unscorable for s in samples if s.unscorable][:1]
+    return sum(sum(s.loss_mask) for s in samples)
+
+
 async def main(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(EXAMPLES))
     import openenv_sums
+    import trl_envs
 
     path = resolve_model(args.model)
     engine = VLLMEngine(path, EngineConfig(max_num_seqs=max(args.requests, 16), max_model_len=1024))
@@ -92,6 +111,7 @@ async def main(args: argparse.Namespace) -> None:
     ]
     server = AgentServer(args.model, spec)
     source = OpenEnvSource(openenv_sums.SumsClient, server="openenv_sums:app", sessions=args.requests)
+    trl = episodes(FactoryEnvConfig(max_turns=1, max_tokens=args.tokens), Config(), trl_envs.SubmitEnv)
     try:
         await engine.start()
         await server.start()
@@ -99,6 +119,7 @@ async def main(args: argparse.Namespace) -> None:
         await direct(engine, chat, spec, prompts[:4], "warmup")
         await verifiers(engine, chat, spec, server, env, prompts[:4], "warmup")
         await openenv(engine, chat, spec, source, prompts[:4], "warmup")
+        await factory(engine, chat, spec, trl, prompts[:4], "warmup")
         through_verifiers = await alternate(
             [
                 ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
@@ -113,6 +134,13 @@ async def main(args: argparse.Namespace) -> None:
             ],
             args.rounds,
         )
+        through_factory = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
+                ("TRL class episodes", lambda tag: factory(engine, chat, spec, trl, prompts, tag)),
+            ],
+            args.rounds,
+        )
     finally:
         await env.aclose()
         await source.aclose()
@@ -120,6 +148,7 @@ async def main(args: argparse.Namespace) -> None:
         await engine.aclose()
     report(*through_verifiers, args, "verifiers_ratio")
     report(*through_openenv, args, "openenv_ratio")
+    report(*through_factory, args, "factory_ratio")
 
 
 if __name__ == "__main__":

@@ -310,7 +310,21 @@ class OpenEnvConfig(EpisodeConfig, frozen=True, kw_only=True, tag="openenv"):
     `create_app` sets to 1 unless told otherwise."""
 
 
-EnvConfig = ToolEnvConfig | AgentEnvConfig | VerifiersEnvConfig | OpenEnvConfig
+class FactoryEnvConfig(EpisodeConfig, frozen=True, tag="factory"):
+    """`kind = "factory"`: TRL's environment classes, unchanged (`GRPOTrainer(environment_factory=...)`):
+    one instance per episode, `reset(**row)` with the dataset row's columns, every public method
+    a tool the model calls, `get_reward()` the episode's reward (`rollflow.envs.factory`)."""
+
+    factory: str | dict[str, str] = ""
+    """The class, `"module:Class"`, or classes by name (`{coding = "m:CodingEnv", game = "m:GameEnv"}`),
+    each row choosing one by its `environment` column; empty: the one passed in Python
+    (`rollflow.train(..., environment_factory=...)`)."""
+
+    tool_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
+    """Per tool call; past it the model reads a timeout error as the tool's result."""
+
+
+EnvConfig = ToolEnvConfig | AgentEnvConfig | VerifiersEnvConfig | OpenEnvConfig | FactoryEnvConfig
 """The kinds `[env]` can be; a new source of episodes adds its tagged struct here."""
 
 FLAT_ENV_KEYS = {

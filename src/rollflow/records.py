@@ -91,6 +91,9 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     segments: list[Segment] = []
     """Earlier sequences of the same episode, split off when an agent rewrote its history; each
     shares this sample's reward and advantage (the last sequence is the sample itself)."""
+    env_reward: str = "env"
+    """The name an episode's own rewards are reported under (`reward_parts`, metrics): `env`, or
+    a TRL environment class's name."""
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ import msgspec
 from rollflow.advantage import group_advantages, overlong_penalty, process_advantages
 from rollflow.config import Config
 from rollflow.envs import episode_score
+from rollflow.envs.source import EpisodeSource
 from rollflow.records import Group, Prompt, Sample
 from rollflow.rollout import Progress
 from rollflow.scoring import Scored, Scorer
@@ -63,6 +64,8 @@ class Scoring:
     teacher_thread: ThreadPoolExecutor
     trace: Trace
     clock: Callable[[], float]
+    episodes: EpisodeSource | None = None
+    """The run's episode source (it may add columns for the reward functions)."""
 
 
 async def score_group(scoring: Scoring, prompt: Prompt, samples: list[Sample]) -> Group | Dropped:
@@ -73,7 +76,8 @@ async def score_group(scoring: Scoring, prompt: Prompt, samples: list[Sample]) -
     began = scoring.clock()
     texts = [scoring.tokenizer.decode(s.completion_token_ids, skip_special_tokens=True) for s in samples]
     prior = [episode_score(s) for s in samples] if cfg.env is not None else None
-    results = await scoring.scorer.score(prompt, texts, [s.completion_token_ids for s in samples], prior)
+    extra = scoring.episodes.columns(samples) if scoring.episodes is not None else None
+    results = await scoring.scorer.score(prompt, texts, [s.completion_token_ids for s in samples], prior, extra)
     if scoring.teacher is not None:
         samples, results = await _teacher_logprobs(scoring, samples, results)
     scored = [

@@ -58,7 +58,7 @@ class Producer:
         """What every episode is played with (only with episodes)."""
         self._teacher_thread = ThreadPoolExecutor(1, "rollflow-teacher")
         self.scoring = Scoring(
-            config, scorer, parts.tokenizer, parts.teacher, self._teacher_thread, flow.trace, flow.clock
+            config, scorer, parts.tokenizer, parts.teacher, self._teacher_thread, flow.trace, flow.clock, episodes
         )
         self.in_flight: dict[str, InFlight] = {}
         """Every group launched and not yet buffered or dropped, by prompt id."""
@@ -120,6 +120,8 @@ class Producer:
         finally:
             if entry.settled:
                 self.in_flight.pop(entry.prompt.id, None)
+            if self.episodes is not None:
+                self.episodes.done(entry.group_id)
 
     async def _score(self, entry: InFlight, samples: list[Sample]) -> None:
         """The group into the buffer, or dropped with its reason (its admission room back)."""

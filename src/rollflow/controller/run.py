@@ -31,6 +31,7 @@ from rollflow.controller.supervisor import Supervisor
 from rollflow.controller.training import Hooks, TrainingLoop
 from rollflow.controller.weights import AdapterWeights, FullWeights, WeightPublisher, WeightStrategy
 from rollflow.engine import ManagedEngine
+from rollflow.errors import ConfigError
 from rollflow.evaluate import HeldOut, evaluate_held_out, sampling_spec
 from rollflow.rundir import OwnedRun
 from rollflow.scoring import RewardFunc
@@ -361,13 +362,21 @@ async def train(
     reward_funcs: dict[str, RewardFunc] | None = None,
     env: Any = None,
     agent: Any = None,
+    environment_factory: Any = None,
 ) -> RunResult:
     """Run training in the current event loop; writes config.toml, metrics.jsonl, ledger.jsonl
     and checkpoints. `resume`: continue the run in `output_dir` from its latest checkpoint.
     `reward_funcs`: reward functions by name (TRL signature), besides the configured ones.
     `env`: makes each episode's `Environment` (multi-turn), instead of the one `[env]` names.
     `agent`: an OpenAI-API agent runs each episode (`rollflow.agent`), instead of the one
-    `[env]` names."""
+    `[env]` names. `environment_factory`: TRL's environment class (or classes by name) plays
+    each episode (`rollflow.envs.factory`), as `GRPOTrainer(environment_factory=...)` takes it."""
+    if environment_factory is not None:
+        if env is not None:
+            raise ConfigError("give env= or environment_factory=, not both")
+        from rollflow.envs.factory import EnvironmentFactory
+
+        env = EnvironmentFactory(environment_factory)
     controller = Controller(
         config, output_dir, on_step=on_step, resume=resume, reward_funcs=reward_funcs, env=env, agent=agent
     )

@@ -78,6 +78,8 @@ async def run_episode(
     group_id: str,
     index: int,
     limits: EpisodeLimits,
+    tools: list[dict[str, Any]] | None = None,
+    reward_name: str = "env",
 ) -> Sample:
     """Play one episode; the result is one sample whose completion is every turn after the opening
     messages, with loss mask 1 on the model's tokens and 0 on the environment's. Environment
@@ -89,7 +91,9 @@ async def run_episode(
     the sequence (Qwen3's drops earlier turns' `<think>` blocks) cannot be continued token by
     token: the sequence so far becomes a segment of the sample (`Sample.segments`, trained with
     its reward and advantage) and the next turn starts a new sequence from the template's own
-    rendering. `limits.max_tokens` counts the completion tokens of all of them."""
+    rendering. `limits.max_tokens` counts the completion tokens of all of them. `tools`: the
+    environment's tools as OpenAI function schemas, shown by templates that show them;
+    `reward_name`: what its rewards are reported as (`Sample.env_reward`)."""
     seq = _Sequence("", [])
     closed: list[_Sequence] = []
     steps: list[tuple[int, float]] = []
@@ -102,7 +106,7 @@ async def run_episode(
     try:
         try:
             messages = _opening(await _bounded(env.reset(prompt), limits.step_timeout_s, "reset"))
-            rendered = chat.render(messages)
+            rendered = chat.render(messages, tools)
             seq = _Sequence(rendered, chat.tokens(rendered))
         except _EnvFailed as err:  # no episode: the sample is the prompt alone, unscorable
             failure, finish_reason, seq = str(err), "stop", _Sequence("", prompt.token_ids)
@@ -137,9 +141,9 @@ async def run_episode(
             messages += result.messages
             spent += turn.num_tokens
             try:
-                seq.rendered, added = chat.extend(seq.rendered, messages)
+                seq.rendered, added = chat.extend(seq.rendered, messages, tools)
             except ValueError:  # the template rewrites history: the next turn starts a new sequence
-                rendered = chat.render(messages)
+                rendered = chat.render(messages, tools)
                 opening = chat.tokens(rendered)
                 if turns >= limits.max_turns or len(opening) >= limits.max_model_len or spent >= limits.max_tokens:
                     finish_reason = "length"
@@ -178,6 +182,7 @@ async def run_episode(
         process_rewards=steps,
         turns=max(turns, 1),
         segments=[c.segment() for c in closed],
+        env_reward=reward_name,
     )
 
 
@@ -248,7 +253,7 @@ def episode_score(sample: Sample) -> Scored:
     if not sample.process_rewards:
         return Scored(None)
     total = sum(r for _, r in sample.process_rewards)
-    return Scored(total, None, {"env": total}, list(sample.process_rewards))
+    return Scored(total, None, {sample.env_reward: total}, list(sample.process_rewards))
 
 
 def load_environment(name: str, *, tool_timeout_s: float = 5.0) -> EnvFactory:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollflow.config import AgentEnvConfig, Config, EpisodeConfig, ToolEnvConfig
+from rollflow.config import AgentEnvConfig, Config, EpisodeConfig, FactoryEnvConfig, ToolEnvConfig
 from rollflow.envs.protocol import EpisodeLimits, Served
 from rollflow.errors import ConfigError
 from rollflow.imports import load_function
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 SOURCES: dict[str, str] = {
     "tool": "rollflow.envs:tool_episodes",
+    "factory": "rollflow.envs.factory:episodes",
     "openenv": "rollflow.envs.openenv:episodes",
     "agent": "rollflow.agent:agent_episodes",
     "verifiers": "rollflow.agent.verifiers:episodes",
@@ -89,6 +90,14 @@ class EpisodeSource(Served):
         aside)."""
         raise NotImplementedError
 
+    def columns(self, samples: list[Sample]) -> dict[str, list[Any]]:
+        """Columns the source adds to its group's reward-function calls, one value per sample
+        (TRL's `environments`); none by default."""
+        return {}
+
+    def done(self, group_id: str) -> None:
+        """The group's episodes are over (scored or dropped): release what the source kept of them."""
+
 
 def episode_source(config: Config, *, env: Any = None, agent: Any = None) -> EpisodeSource | None:
     """What the producer runs for each sample's episode: the source `[env].kind` names, or the
@@ -97,6 +106,17 @@ def episode_source(config: Config, *, env: Any = None, agent: Any = None) -> Epi
     settings = config.env
     if env is None and agent is None:
         return None if settings is None else _maker(settings.__struct_config__.tag)(settings, config)
+    from rollflow.envs.factory import EnvironmentFactory
+
+    if isinstance(env, EnvironmentFactory):  # TRL's classes (`environment_factory=`)
+        from rollflow.envs.factory import episodes
+
+        if settings is not None and not isinstance(settings, FactoryEnvConfig):
+            raise ConfigError(
+                f"env.kind: {settings.__struct_config__.tag!r} names another source of episodes than the "
+                'environment_factory= passed in Python; leave [env] out, or give kind = "factory" with its settings'
+            )
+        return episodes(settings if isinstance(settings, FactoryEnvConfig) else FactoryEnvConfig(), config, env.factory)
     if env is not None and agent is not None:
         raise ConfigError("give one source of episodes: env= or agent=, not both")
     wanted = ToolEnvConfig if env is not None else AgentEnvConfig

@@ -229,9 +229,12 @@ class Scorer:
         completions: list[str],
         completion_ids: list[list[int]],
         prior: list[Scored] | None = None,
+        extra: dict[str, list[Any]] | None = None,
     ) -> list[Scored]:
         """Every reward of every completion. `prior`: what each sample earned already (an
-        environment's rewards as part `env`, or the reason it failed), added to the total."""
+        environment's rewards as part `env`, or the reason it failed), added to the total.
+        `extra`: more columns for the reward functions, one value per completion (TRL's
+        `environments`)."""
         n = len(completions)
         columns: dict[str, list[Any]] = {key: [value] * n for key, value in prompt.metadata.items()}
         columns |= {
@@ -239,6 +242,7 @@ class Scorer:
             "task": [prompt.task] * n,
             "metadata": [prompt.metadata] * n,
             "completion_ids": completion_ids,
+            **(extra or {}),
         }
         prompts = [_prompt_text(prompt)] * n
         async with self._slots:
