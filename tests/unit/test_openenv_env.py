@@ -240,3 +240,27 @@ async def test_the_server_a_run_started_dies_with_it_even_on_sigkill(request):
     finally:
         run.kill()
         run.wait()
+
+
+def test_openenv_and_openenv_core_installed_together_are_refused_naming_both(monkeypatch):
+    """Both distributions install the `openenv` module: with both, which files are there is
+    anyone's guess, so the run refuses in one line saying what to do."""
+    from importlib import metadata
+
+    from rollflow.envs import openenv
+
+    real = metadata.version
+    versions = {"openenv": "0.10.0", "openenv-core": "0.3.0"}
+
+    def version(name):
+        if name in ("openenv", "openenv-core"):
+            if name not in versions:
+                raise metadata.PackageNotFoundError(name)
+            return versions[name]
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    with pytest.raises(ConfigError, match=r"both openenv 0.10.0 and openenv-core 0.3.0 are installed.*pip uninstall"):
+        openenv._library()
+    versions.pop("openenv-core")
+    assert openenv._library().__name__ == "EnvClient"

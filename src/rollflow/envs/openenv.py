@@ -33,6 +33,7 @@ import sys
 import tempfile
 import typing
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,27 @@ ToAction = Callable[[str], Any]
 ToText = Callable[[Any], str]
 
 
+def _installed(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _library() -> Any:
+    """OpenEnv's `EnvClient`, from `openenv` (>= 0.4, the project's name since 0.4; tested with
+    0.10.0) or `openenv-core` 0.3 (its name before). Both install the module `openenv`: with
+    both installed, which files are there is anyone's guess, so that is refused."""
+    current, legacy = _installed("openenv"), _installed("openenv-core")
+    if current and legacy:
+        raise ConfigError(
+            f"env.client: both openenv {current} and openenv-core {legacy} are installed, and they install the same "
+            "`openenv` module; keep one: pip uninstall -y openenv-core openenv && pip install 'rollflow[openenv]'"
+        )
     try:
         from openenv.core.env_client import EnvClient
     except ImportError as err:
-        raise ConfigError(f"env.client: OpenEnv environments need the openenv-core package ({err}); {EXTRA}") from None
+        raise ConfigError(f"env.client: OpenEnv environments need the openenv package ({err}); {EXTRA}") from None
     return EnvClient
 
 
