@@ -21,6 +21,7 @@ OPTIONAL = {
     "brotli": "aiohttp imports it when it is installed",
     "dill": "torch imports it when it is installed",
     "googleapis-common-protos": "shares the `google` namespace with protobuf, which the image has",
+    "backports.tarfile": "owns the `backports` namespace when installed (keyring's dependency, through openenv)",
 }
 """Distributions imported here only because this machine has them."""
 
