@@ -1,8 +1,9 @@
 """Environment adapter cost: the same concurrent single-turn questions generated through
 `rollout()` directly, as episodes of a verifiers environment (its own rollout and rubric, through
 the run's OpenAI-compatible endpoint), as episodes of an OpenEnv environment (a session with
-its server: reset, the model's turn, step), and as episodes of a TRL environment class (an
-instance, its reset, the model's turn with the tools shown, its get_reward), alternating for
+its server: reset, the model's turn, step), as episodes of a TRL environment class (an
+instance, its reset, the model's turn with the tools shown, its get_reward), and as episodes of
+a verifiers v1 taskset (the model's turn, its `vf.Trace`, the task's own rewards), alternating for
 several rounds in one run.
 
 Every path samples the same number of tokens per question (ignore_eos, fixed max_tokens) on one
@@ -10,8 +11,8 @@ in-process engine of the tiny model; the adapters add what they are: verifiers' 
 round trip and the episode's recording for the one, a WebSocket session per episode with the
 OpenEnv server (started by the bench, as `env.openenv_server` does) for the other. Prints a table
 per adapter, each ending with its RESULT line, `RESULT verifiers_ratio=<x>`, `RESULT
-openenv_ratio=<y>` and `RESULT factory_ratio=<z>` (median over rounds of the adapter's tokens/s
-divided by `rollout()`'s; 1.0 = no cost).
+openenv_ratio=<y>`, `RESULT factory_ratio=<z>` and `RESULT taskset_ratio=<w>` (median over
+rounds of the adapter's tokens/s divided by `rollout()`'s; 1.0 = no cost).
 
     bin/dev python bench/environments.py [--requests 32] [--tokens 128] [--rounds 12]
 """
@@ -27,12 +28,13 @@ from sidebyside import alternate, engine_args, report
 
 from rollflow.agent import AgentEpisode, AgentServer, run_agent
 from rollflow.agent.verifiers import VerifiersEnv
-from rollflow.config import Config, EngineConfig, FactoryEnvConfig
+from rollflow.config import Config, EngineConfig, FactoryEnvConfig, VerifiersEnvConfig
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.envs import ChatFormat, EpisodeLimits, run_episode
-from rollflow.envs.factory import FactoryEpisodes, episodes
+from rollflow.envs.factory import episodes
 from rollflow.envs.openenv import OpenEnvSource
-from rollflow.envs.source import EpisodeContext
+from rollflow.envs.source import EpisodeContext, EpisodeSource
+from rollflow.envs.tasksets import TasksetEpisodes
 from rollflow.models import load_tokenizer, resolve_model
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout
@@ -79,7 +81,8 @@ async def openenv(engine, chat, spec, source: OpenEnvSource, prompts, tag: str) 
     return sum(sum(s.loss_mask) for s in samples)
 
 
-async def factory(engine, chat, spec, source: FactoryEpisodes, prompts, tag: str) -> int:
+async def episodes_of(engine, chat, spec, source: EpisodeSource, prompts, tag: str) -> int:
+    """The prompts as concurrent episodes of `source` (TRL classes, a v1 taskset); trained tokens."""
     context = EpisodeContext(chat=chat, sampling=spec, max_model_len=engine.config.max_model_len)
     samples = await asyncio.gather(
         *(
@@ -112,6 +115,15 @@ async def main(args: argparse.Namespace) -> None:
     server = AgentServer(args.model, spec)
     source = OpenEnvSource(openenv_sums.SumsClient, server="openenv_sums:app", sessions=args.requests)
     trl = episodes(FactoryEnvConfig(max_turns=1, max_tokens=args.tokens), Config(), trl_envs.SubmitEnv)
+    taskset = TasksetEpisodes(
+        VerifiersEnvConfig(taskset="sums-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens),
+        args.model,
+    )
+    task_prompts = [
+        Prompt(id=r.id, token_ids=chat.tokens(chat.render(r.messages)), messages=r.messages, answer=r.answer,
+               task=r.task, metadata=r.metadata)
+        for r in taskset.rows()
+    ]  # fmt: skip
     try:
         await engine.start()
         await server.start()
@@ -119,7 +131,8 @@ async def main(args: argparse.Namespace) -> None:
         await direct(engine, chat, spec, prompts[:4], "warmup")
         await verifiers(engine, chat, spec, server, env, prompts[:4], "warmup")
         await openenv(engine, chat, spec, source, prompts[:4], "warmup")
-        await factory(engine, chat, spec, trl, prompts[:4], "warmup")
+        await episodes_of(engine, chat, spec, trl, prompts[:4], "warmup")
+        await episodes_of(engine, chat, spec, taskset, task_prompts[:4], "warmup")
         through_verifiers = await alternate(
             [
                 ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
@@ -137,7 +150,14 @@ async def main(args: argparse.Namespace) -> None:
         through_factory = await alternate(
             [
                 ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
-                ("TRL class episodes", lambda tag: factory(engine, chat, spec, trl, prompts, tag)),
+                ("TRL class episodes", lambda tag: episodes_of(engine, chat, spec, trl, prompts, tag)),
+            ],
+            args.rounds,
+        )
+        through_taskset = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
+                ("v1 taskset episodes", lambda tag: episodes_of(engine, chat, spec, taskset, task_prompts, tag)),
             ],
             args.rounds,
         )
@@ -149,6 +169,7 @@ async def main(args: argparse.Namespace) -> None:
     report(*through_verifiers, args, "verifiers_ratio")
     report(*through_openenv, args, "openenv_ratio")
     report(*through_factory, args, "factory_ratio")
+    report(*through_taskset, args, "taskset_ratio")
 
 
 if __name__ == "__main__":

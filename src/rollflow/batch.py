@@ -77,6 +77,7 @@ def build_batch(
     turns: list[int] = []
     kl_terms: list[float] = []
     parts: dict[str, list[float]] = {}
+    measured: dict[str, list[float]] = {}
     unscorable: dict[str, int] = {}
     for group in groups:
         # Baseline of the reverse-KL term: its mean over the group's tokens (lowers the variance).
@@ -97,6 +98,8 @@ def build_batch(
             turns.append(sample.turns)
             for name, value in (sample.reward_parts or {reward_name: sample.reward}).items():
                 parts.setdefault(name, []).append(value)
+            for name, value in sample.env_metrics.items():
+                measured.setdefault(name, []).append(value)
             if filter_overlong and sample.finish_reason == "length":
                 overlong += 1
             splits += len(sample.segments)
@@ -129,6 +132,7 @@ def build_batch(
         "reward_mean": mean,
         "reward_std": std,
         "rewards": {name: dict(zip(("mean", "std"), _mean_std(values), strict=True)) for name, values in parts.items()},
+        "env_metrics": {name: sum(values) / len(values) for name, values in measured.items()},
         "samples": len(samples),
         "tokens": sum(s.num_completion for s in samples),
         "turns_mean": sum(turns) / len(turns) if turns else 0.0,

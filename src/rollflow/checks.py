@@ -198,10 +198,4 @@ def episode_problems(config: Config) -> list[str]:
         )
     if isinstance(env, VerifiersEnvConfig) and config.data.paths:
         problems.append("data.paths: a verifiers environment brings its own dataset; remove data.paths")
-    if isinstance(env, (VerifiersEnvConfig, OpenEnvConfig)) and config.run.eval_prompts:
-        problems.append(
-            "run.eval_prompts: held-out evaluation scores single turns of data.task with run.reward, which does "
-            f"not apply to kind = {kind!r} episodes; set run.eval_prompts = 0 (the rewards per step are in "
-            "metrics.jsonl)"
-        )
     return problems

@@ -271,15 +271,28 @@ class AgentEnvConfig(EndpointConfig, frozen=True, tag="agent"):
 
 
 class VerifiersEnvConfig(EndpointConfig, frozen=True, kw_only=True, tag="verifiers"):
-    """`kind = "verifiers"`: a verifiers environment (prime-rl's standard; the `verifiers` extra):
-    loaded with verifiers' own `load_environment`, its dataset gives the prompts, and every
-    episode is its own rollout and rubric through the run's endpoint."""
+    """`kind = "verifiers"`: verifiers (prime-rl's standard; the `verifiers` extra), either an
+    environment of its classic API (`environment`: loaded with verifiers' own `load_environment`,
+    its dataset gives the prompts, every episode is its own rollout and rubric through the run's
+    endpoint) or a taskset of its v1 API (`taskset`: its tasks are the prompts, rollflow generates
+    each reply and the task's own rewards and metrics score it). Give one of the two."""
 
-    environment: str
-    """Its id, e.g. `"vf-math-python"` (the module `vf_math_python` with `load_environment`)."""
+    environment: str = ""
+    """A classic environment's id, e.g. `"vf-math-python"` (the module `vf_math_python` with
+    `load_environment`)."""
 
     args: dict[str, Any] = {}
     """Keyword arguments of its `load_environment`."""
+
+    taskset: str = ""
+    """A v1 taskset's id (`verifiers.v1`: the installed module that exports its `Taskset` subclass in
+    `__all__`, e.g. `"gsm8k-taskset"` for `gsm8k_taskset`)."""
+
+    taskset_args: dict[str, Any] = {}
+    """Fields of its config (its `TasksetConfig` subclass), e.g. `{split = "train"}`."""
+
+    max_tasks: NonNegInt = 0
+    """Read the taskset's first this many tasks (0: all of them; an infinite taskset needs a number)."""
 
 
 class OpenEnvConfig(EpisodeConfig, frozen=True, kw_only=True, tag="openenv"):

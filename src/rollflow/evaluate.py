@@ -3,17 +3,21 @@
 This is the smallest end-to-end path through rollflow (sampler -> engine -> rollout -> scorer)
 and the yardstick for training: accuracy on held-out prompts before and after. Scoring goes
 through a `Scorer` like training's, so a checker that raises, hangs or returns garbage makes
-its sample unscorable (counted, and not correct) instead of ending the evaluation. It trains
-nothing and keeps no state between calls.
+its sample unscorable (counted, and not correct) instead of ending the evaluation. When the run's
+samples are episodes (`[env]`), each held-out prompt is played as an episode of the run's source
+(`HeldOutEpisodes`) and scored as training scores it: by the environment, plus the run's reward
+functions. It trains nothing and keeps no state between calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -24,6 +28,10 @@ from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout, unusable
 from rollflow.scoring import Scored, Scorer, eval_scorer
 from rollflow.tasks import parse_task
+
+if TYPE_CHECKING:
+    from rollflow.data_files import Row
+    from rollflow.envs.source import EpisodeContext, EpisodeSource
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +55,48 @@ class EvalReport(msgspec.Struct, frozen=True, kw_only=True):
     dropped: dict[str, int] = {}
     """Prompts not evaluated, by reason (too long for the context, refused by the engine), as
     training drops them; `prompts` counts those evaluated."""
+    versions: list[int] = []
+    """The policy versions whose weights generated the evaluated tokens (one, unless the engine's
+    weights changed during the evaluation)."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class HeldOutEpisodes:
+    """How held-out prompts are played when the run's samples are episodes: as episodes of
+    `source` (in `context`, its sampling replaced by the evaluation's), and from which prompts."""
+
+    source: EpisodeSource
+    context: EpisodeContext
+    rows: list[Row] | None = None
+    """The source's held-out rows (its last `run.eval_prompts`, never trained), or None: the source
+    brings no prompts, so they are `data.task`'s held-out prompts."""
+
+    async def play(self, engine: Engine, prompt: Prompt, spec: SamplingSpec, group_id: str, index: int) -> Sample:
+        """One held-out episode; every model turn is generated on `engine` with `spec`."""
+
+        async def turn(token_ids: list[int], turn_spec: SamplingSpec, n: int) -> Sample:
+            return await rollout(engine, Prompt(id=prompt.id, token_ids=token_ids), turn_spec,
+                                 group_id=f"{group_id}/t{n}", index=index)  # fmt: skip
+
+        context = dataclasses.replace(self.context, sampling=spec)
+        return await self.source.play(prompt, group_id=group_id, index=index, generate=turn, context=context)
+
+
+def split_held_out(rows: list[Row], n: int, name: str) -> tuple[list[Row], list[Row]]:
+    """(the rows to train, the last `n`, held out for evaluation); ConfigError when `n` leaves
+    nothing to train."""
+    from rollflow.errors import ConfigError
+
+    if n >= len(rows):
+        raise ConfigError(
+            f"run.eval_prompts: {name} brings {len(rows)} prompts; holding out {n} for evaluation leaves none "
+            "to train (give fewer)"
+        )
+    return rows[: len(rows) - n], rows[len(rows) - n :]
 
 
 def sampling_spec(config: Config, *, greedy: bool = False) -> SamplingSpec:
@@ -73,10 +119,13 @@ async def evaluate(
     on_sample: Callable[[Sample], None] | None = None,
     num_examples: int = 3,
     max_model_len: int | None = None,
+    episodes: HeldOutEpisodes | None = None,
 ) -> EvalReport:
     """Generate `samples_per_prompt` completions per prompt concurrently and score each prompt's
     completions with `scorer` (an unscorable sample counts as not correct). A prompt that cannot
-    fit `max_model_len`, or that the engine refuses, is dropped with the reason, as in training."""
+    fit `max_model_len`, or that the engine refuses, is dropped with the reason, as in training.
+    With `episodes`, each completion is an episode of the run's source, scored with what its
+    environment gave it."""
     began = time.monotonic()
     dropped: dict[str, int] = {}
 
@@ -94,7 +143,10 @@ async def evaluate(
         prompts = fitting
 
     async def one(prompt: Prompt, index: int) -> Sample:
-        sample = await rollout(engine, prompt, sampling, group_id=f"eval-{prompt.id}", index=index)
+        if episodes is None:
+            sample = await rollout(engine, prompt, sampling, group_id=f"eval-{prompt.id}", index=index)
+        else:
+            sample = await episodes.play(engine, prompt, sampling, f"eval-{prompt.id}", index)
         if on_sample is not None:
             on_sample(sample)
         return sample
@@ -106,7 +158,16 @@ async def evaluate(
             drop(f"engine error: {err}")
             return None
         texts = [decode(s.completion_token_ids) for s in samples]
-        return prompt, texts, samples, await scorer.score(prompt, texts, [s.completion_token_ids for s in samples])
+        ids = [s.completion_token_ids for s in samples]
+        if episodes is None:
+            return prompt, texts, samples, await scorer.score(prompt, texts, ids)
+        from rollflow.envs import episode_score
+
+        try:
+            prior, extra = [episode_score(s) for s in samples], episodes.source.columns(samples)
+            return prompt, texts, samples, await scorer.score(prompt, texts, ids, prior, extra)
+        finally:
+            episodes.source.done(f"eval-{prompt.id}")
 
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(group(p), name=f"eval-{p.id}") for p in prompts]
@@ -114,6 +175,7 @@ async def evaluate(
     rewards: dict[str, list[float]] = {}
     examples: list[tuple[str, str, float]] = []
     reasons: dict[str, int] = {}
+    versions: set[int] = set()
     tokens = 0
     for task in tasks:
         done = task.result()
@@ -126,6 +188,7 @@ async def evaluate(
                 reasons[result.reason] = reasons.get(result.reason, 0) + 1
             rewards.setdefault(prompt.id, []).append(reward)
             tokens += sample.num_tokens
+            versions.update(sample.versions)
             if len(examples) < num_examples:
                 question = prompt.messages[-1].content if prompt.messages else ""
                 examples.append((question, text, reward))
@@ -141,18 +204,22 @@ async def evaluate(
         unscorable=sum(reasons.values()),
         reasons=reasons,
         dropped=dropped,
+        versions=sorted(versions),
     )
 
 
-async def held_out_prompts(config: Config, tokenizer: Any, n: int) -> list[Prompt]:
-    """`n` prompts drawn with `run.eval_seed` (the same ones at every evaluation of a run); what is
-    slow to make (a reasoning-gym item) is made on a worker thread, and an item that cannot be
-    made is left out with a warning."""
+async def held_out_prompts(config: Config, tokenizer: Any, n: int, rows: list[Row] | None = None) -> list[Prompt]:
+    """`n` prompts drawn with `run.eval_seed` (the same ones at every evaluation of a run), from
+    `rows` when given (an episode source's held-out rows; at most all of them), else from
+    `data.task`; what is slow to make (a reasoning-gym item) is made on a worker thread, and an
+    item that cannot be made is left out with a warning."""
     from rollflow.models import prompt_encoder
     from rollflow.sampler import Sampler
 
     task = parse_task(config.data)
-    if task.held_out_items and n > task.held_out_items:
+    if rows is not None:
+        n = min(n, len(rows))
+    elif task.held_out_items and n > task.held_out_items:
         raise UserInputError(
             f"held-out prompts: at most {task.held_out_items:,} of {task.name!r} are held out, not {n:,}"
         )
@@ -160,6 +227,7 @@ async def held_out_prompts(config: Config, tokenizer: Any, n: int) -> list[Promp
         msgspec.structs.replace(config.data, seed=config.run.eval_seed),
         prompt_encoder(tokenizer, config.data),
         task=task,
+        rows=rows,
     )
     prompts = []
     for _ in range(n):
@@ -185,6 +253,7 @@ class HeldOut(msgspec.Struct, frozen=True, kw_only=True):
             "tokens": self.greedy.tokens,
             "wall_s": self.greedy.wall_s,
             "unscorable": self.greedy.unscorable,
+            "versions": sorted(set(self.greedy.versions) | set(self.sampled.versions if self.sampled else [])),
         }
         if self.sampled is not None:
             k = self.sampled.samples // max(self.sampled.prompts, 1)
@@ -212,14 +281,16 @@ async def evaluate_held_out(
     prompts: int | list[Prompt] | None = None,
     pass_k: int = 0,
     on_sample: Callable[[Sample], None] | None = None,
+    episodes: HeldOutEpisodes | None = None,
 ) -> HeldOut:
     """Greedy accuracy on `prompts` held-out prompts (default `run.eval_prompts`; or the prompts
     `held_out_prompts` made), and pass@k with `pass_k` samples per prompt when > 0, scored by
-    `scorer`."""
+    `scorer`; played as episodes with `episodes`."""
     if isinstance(prompts, list):
         chosen = prompts
     else:
-        chosen = await held_out_prompts(config, tokenizer, config.run.eval_prompts if prompts is None else prompts)
+        n = config.run.eval_prompts if prompts is None else prompts
+        chosen = await held_out_prompts(config, tokenizer, n, episodes.rows if episodes is not None else None)
 
     def run(spec: SamplingSpec, k: int) -> Awaitable[EvalReport]:
         return evaluate(
@@ -231,6 +302,7 @@ async def evaluate_held_out(
             scorer=scorer,
             on_sample=on_sample,
             max_model_len=config.engine.max_model_len or CONTEXT_CAP,
+            episodes=episodes,
         )
 
     greedy = await run(sampling_spec(config, greedy=True), 1)
@@ -246,15 +318,24 @@ async def held_out_report(
     pass_k: int,
     *,
     on_sample: Callable[[Sample], None] | None = None,
+    episodes: HeldOutEpisodes | None = None,
+    scorer: Scorer | None = None,
 ) -> dict[str, Any]:
     """What `python -m rollflow eval` prints: the model, task and reward, and the held-out scores
-    on `engine` (scored with `run.reward`) of `prompts` (a number, or `held_out_prompts`' own)."""
-    scorer = eval_scorer(config)
+    on `engine` (scored with `run.reward`, or `scorer`) of `prompts` (a number, or
+    `held_out_prompts`' own), played as `episodes` when given."""
+    own = scorer is None
+    used = eval_scorer(config) if scorer is None else scorer
     try:
         held_out = await evaluate_held_out(
-            engine, config, tokenizer, scorer, prompts=prompts, pass_k=pass_k, on_sample=on_sample
+            engine, config, tokenizer, used, prompts=prompts, pass_k=pass_k, on_sample=on_sample, episodes=episodes
         )
     finally:
-        await scorer.aclose()
-    report = {"model": config.model.path, "task": config.data.task, "reward": config.run.reward}
+        if own:
+            await used.aclose()
+    report: dict[str, Any] = {"model": config.model.path, "task": config.data.task, "reward": config.run.reward}
+    if episodes is not None and config.env is not None:
+        report = {"model": config.model.path, "env": config.env.__struct_config__.tag}
+        if episodes.rows is None:
+            report["task"] = config.data.task
     return report | {"eval_seed": config.run.eval_seed} | held_out.as_dict()

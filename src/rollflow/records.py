@@ -94,6 +94,9 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     env_reward: str = "env"
     """The name an episode's own rewards are reported under (`reward_parts`, metrics): `env`, or
     a TRL environment class's name."""
+    env_metrics: dict[str, float] = {}
+    """What the environment measured of the episode besides its reward (a verifiers task's
+    `@vf.metric`s and each `@vf.reward`'s own score), averaged per step into `env_metrics`."""
 
     @property
     def num_tokens(self) -> int:

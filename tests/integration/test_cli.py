@@ -37,6 +37,22 @@ def test_generate_on_the_tiny_preset_reports_accuracy_and_throughput():
     assert not third_party_lines(done.stdout + done.stderr)
 
 
+def test_eval_plays_a_tasksets_held_out_tasks_as_episodes_scored_by_their_tasks():
+    folder = Path(__file__).parents[2] / "examples" / "environments"
+    env = {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "rollflow", "eval", "--preset", "tiny", "--prompts", "3", "--pass-k", "2",
+         "--set", "sampling.max_tokens=8", "--set", "env.kind=verifiers", "--set", "env.taskset=sums-taskset",
+         "--set", "env.taskset_args={n = 8}"],
+        capture_output=True, text=True, timeout=300, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["env"] == "verifiers" and "task" not in report  # the taskset's prompts, not data.task's
+    assert report["prompts"] == 3 and report["k"] == 2 and report["versions"] == [0]
+    assert report["unscorable"] == 0 and 0.0 <= report["accuracy"] <= 1.5  # the tasks' weights: 1 + 0.5
+
+
 OWN_LINES = re.compile(
     r"(step \d+/\d+  reward .*"  # the progress line
     r"|[a-z][a-zA-Z0-9 ./_-]* \.\.\."  # what the run waits for

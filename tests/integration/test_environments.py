@@ -1,6 +1,7 @@
 """The environments the field already has, trained as they are with real vLLM on the tiny model:
 a reasoning-gym task scored by its own `score_answer`, a dataset file scored by math-verify, a
-verifiers environment (single-turn, and multi-turn with a tool) through the OpenAI endpoint, and
+verifiers environment (single-turn, and multi-turn with a tool) through the OpenAI endpoint, a
+verifiers v1 taskset scored by its own tasks, and
 an OpenEnv environment whose server rollflow starts. One engine serves every run in turn
 (`rollflow.testing.lend` puts it back on the initial weights at version 0)."""
 
@@ -99,9 +100,16 @@ async def test_math_verify_scores_a_dataset_file(lender, tmp_path, record_groups
 async def test_a_verifiers_environment_trains_through_the_endpoint(lender, tmp_path, record_groups, env_id):
     result, groups, _ = await run(
         lender, tmp_path, record_groups, "env.kind=verifiers", f"env.environment={env_id}", "env.max_tokens=64",
-        "sampling.max_tokens=16", "rollout.group_size=4", "run.groups_per_step=2",
+        "sampling.max_tokens=16", "rollout.group_size=4", "run.groups_per_step=2", "run.eval_prompts=4",
     )
     assert result.steps == 3 and len(groups) == 6
+    # the dataset's last 4 rows are held out: evaluated as episodes before and after, never trained
+    assert result.eval_before.prompts == 4 and result.eval_before.unscorable == 0
+    assert result.eval_before.versions == [0] and result.eval_after.versions == [3]
+    from rollflow.agent.verifiers import VerifiersEnv
+
+    held_out = {row.id for row in VerifiersEnv(env_id).rows()[-4:]}
+    assert not {g.prompt.id.split("@")[0] for g in groups} & held_out
     for group in groups:
         assert group.prompt.id.startswith(f"{env_id}-")
         for sample in group.samples:
@@ -109,6 +117,23 @@ async def test_a_verifiers_environment_trains_through_the_endpoint(lender, tmp_p
             assert sample.reward_parts.keys() == {"env"} and min(sample.versions) >= 0
             assert sample.num_tokens > 0 and 1 in sample.loss_mask
     assert all(m["agent_splits"] == 0 for m in result.metrics)
+
+
+@pytest.mark.timeout(300)
+async def test_a_verifiers_v1_taskset_trains_scored_by_its_own_tasks(lender, tmp_path, record_groups):
+    result, groups, _ = await run(
+        lender, tmp_path, record_groups, "env.kind=verifiers", "env.taskset=sums-taskset", "env.taskset_args={n = 8}",
+        "sampling.max_tokens=16", "rollout.group_size=4", "run.groups_per_step=2",
+    )
+    assert result.steps == 3 and len(groups) == 6
+    for group in groups:
+        assert group.prompt.id.startswith("sums-taskset-")
+        for sample in group.samples:
+            assert sample.unscorable is None and sample.reward_parts == {"sums-taskset": sample.reward}
+            # the task's own weights: correct (1) + digits share (0.5)
+            assert sample.reward == pytest.approx(sample.env_metrics["correct"] + 0.5 * sample.env_metrics["digits"])
+            assert sample.turns == 1 and sample.num_tokens > 0 and set(sample.loss_mask) == {1}
+    assert all(set(m["env_metrics"]) == {"correct", "digits", "reply_chars"} for m in result.metrics)
 
 
 @pytest.mark.timeout(300)

@@ -350,8 +350,8 @@ def test_a_module_that_calls_sys_exit_while_loading_is_refused_naming_the_field(
 # ---- 19, 20: eval and generate score what a run trains, and drop what cannot fit -----------------
 
 
-@pytest.mark.parametrize("command", ["eval", "generate"])
-def test_eval_and_generate_refuse_a_config_whose_samples_are_episodes(tmp_path, capsys, monkeypatch, command):
+def test_generate_refuses_a_config_whose_samples_are_episodes_and_eval_plays_them(
+        tmp_path, capsys, monkeypatch, example_environments):
     from rollflow.cli import main
 
     monkeypatch.setenv("ROLLFLOW_NO_UVLOOP", "1")  # the command line's loop policy would outlive the test
@@ -361,14 +361,18 @@ def test_eval_and_generate_refuse_a_config_whose_samples_are_episodes(tmp_path, 
     (run / "final" / "config.json").write_text("{}")
     (run / "config.toml").write_text('[env]\nkind = "verifiers"\nenvironment = "vf-sums"\n')
     began = time.monotonic()
-    assert main([command, "--run", str(run)]) == 2
+    assert main(["generate", "--run", str(run)]) == 2
     assert "([env] kind = 'verifiers')" in capsys.readouterr().err
     unreachable = ["--preset", "tiny", "--set", "env.kind=openenv",
                    "--set", "env.client=openenv_sums:SumsClient", "--set", "env.url=http://127.0.0.1:9"]
-    assert main([command, *unreachable]) == 2
+    assert main(["generate", *unreachable]) == 2
     err = capsys.readouterr().err
-    assert "([env] kind = 'openenv')" in err and "single-turn" in err
+    assert "([env] kind = 'openenv')" in err and "single-turn" in err and "use eval" in err
     assert time.monotonic() - began < 10  # refused before any model or engine loads
+    # eval plays the episodes: it starts the source first, so an unreachable server is named at once
+    assert main(["eval", *unreachable]) == 2
+    err = capsys.readouterr().err
+    assert "no OpenEnv server answers at http://127.0.0.1:9" in err and "preparing model" not in err
 
 
 class RefusingEngine(FakeEngine):

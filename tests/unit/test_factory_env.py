@@ -210,3 +210,24 @@ async def test_a_run_trains_a_trl_class_with_reward_functions_that_read_the_envi
     assert result.steps == 2
     assert set(result.metrics[0]["rewards"]) == {"SubmitEnv", "submitted"}
     assert seen and all(len(envs) == 4 and all(isinstance(e, trl_envs.SubmitEnv) for e in envs) for envs in seen)
+
+
+async def test_held_out_prompts_are_played_as_episodes_and_scored_by_the_class(tmp_path, chat):
+    """A source that brings no prompts evaluates `data.task`'s held-out prompts as its episodes,
+    scored by `get_reward` (the class's own reward), before and after training."""
+    import trl_envs
+
+    from rollflow.envs.factory import EnvironmentFactory
+
+    config = load_config(preset="tiny", overrides=[
+        "run.max_steps=1", "sampling.max_tokens=8", "env.kind=factory", "env.max_turns=2", "env.max_tokens=48",
+        "run.eval_prompts=3"])
+    controller = Controller(config, tmp_path, env=EnvironmentFactory(trl_envs.SubmitEnv),
+                            given=Given(engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
+                                        tokenizer=chat.tokenizer))
+    result = await asyncio.wait_for(controller.run(), 100)
+    assert result.eval_before.prompts == 3 and result.eval_after.prompts == 3
+    # the fake engine never writes a tool call: no submission, so get_reward gives 0; a single
+    # turn scored without the class would have no reward at all (unscorable)
+    assert result.eval_before.unscorable == 0 and result.eval_before.accuracy == 0.0
+    assert result.eval_before.versions == [0] and result.eval_after.versions == [1]

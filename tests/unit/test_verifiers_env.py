@@ -9,7 +9,6 @@ import pytest
 
 from rollflow.agent import AgentEpisode, run_agent, task_of
 from rollflow.agent.verifiers import VerifiersEnv
-from rollflow.config import load_config
 from rollflow.envs import EpisodeLimits
 from rollflow.errors import ConfigError
 from rollflow.records import Prompt, Sample, SamplingSpec
@@ -85,15 +84,6 @@ def test_unknown_and_broken_environments_are_refused_with_their_names():
         VerifiersEnv("vf-sumz")
     with pytest.raises(ConfigError, match=r"'vf-sums' could not be loaded: TypeError: .*unexpected keyword"):
         VerifiersEnv("vf-sums", {"rows": 3})
-
-
-def test_the_config_refuses_held_out_evaluation_it_cannot_apply():
-    from rollflow.checks import training_problems
-
-    config = load_config(preset="tiny", overrides=["env.kind=verifiers", "env.environment=vf-sums",
-                                                   "run.eval_prompts=4"])
-    problems = " | ".join(training_problems(config))
-    assert "run.eval_prompts: held-out evaluation scores single turns" in problems and "'verifiers'" in problems
 
 
 BAD_ENVIRONMENTS = {

@@ -9,10 +9,11 @@ OpenAI-compatible endpoint, which records every token with its log-prob and vers
 (`rollflow.agent`); the rubric's reward is the episode's reward. A rollout that fails (the
 environment raises, a model call is refused) makes its episode unscorable with the reason.
 
-Supported: verifiers `SUPPORTED` (the API with `vf.Client` and `Environment.run_rollout`; tested
-with 0.1.14). verifiers 0.3 and later run each episode as a program in a sandbox that installs
-its own packages at run time, which this adapter does not do; another version is refused with
-one error. Rubrics with group-level reward functions are refused too: each episode here is
+Supported: verifiers `SUPPORTED` (the API with `vf.Client` and `Environment.run_rollout`: 0.1.x,
+and 0.3.x, which keeps it as `verifiers.legacy` at the same names; the suite runs 0.3.1, and 0.1.14
+passed the same tests).
+verifiers 0.4 has only the v1 API, whose tasksets `rollflow.envs.tasksets` trains; another version
+is refused with one error. Rubrics with group-level reward functions are refused too: each episode here is
 scored on its own. The library is imported lazily; without it, one error names the extra.
 """
 
@@ -32,6 +33,7 @@ from rollflow.agent.http import http_client
 from rollflow.config import Config, VerifiersEnvConfig
 from rollflow.data_files import Row
 from rollflow.envs import Served
+from rollflow.envs.source import EpisodeSource
 from rollflow.errors import ConfigError, DataError
 from rollflow.records import Message
 from rollflow.scoring import finite, is_async, shown
@@ -39,7 +41,7 @@ from rollflow.scoring import finite, is_async, shown
 EXTRA = "pip install 'rollflow[verifiers]'"
 """How to install the library (named in the error when it is missing)."""
 
-SUPPORTED = (0, 1, 11), (0, 2, 0)
+SUPPORTED = (0, 1, 11), (0, 4, 0)
 """Versions whose environments this adapter runs: at least the first, below the second."""
 
 RUN_OWNS = ("temperature", "top_p", "top_k", "min_p", "n", "stop", "seed", "logprobs", "top_logprobs")
@@ -67,7 +69,7 @@ def _library() -> Any:
     if not low <= _version_tuple(version) < high:
         raise ConfigError(
             f"env.environment: verifiers {version} is installed; rollflow trains environments of verifiers "
-            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))} (Environment.run_rollout; tested with 0.1.14): "
+            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))} (Environment.run_rollout): "
             f"{EXTRA}"
         )
     import verifiers
@@ -247,10 +249,21 @@ class VerifiersEnv(Served):
             self._http = None
 
 
-def episodes(settings: VerifiersEnvConfig, config: Config) -> AgentEpisodes:
+def episodes(settings: VerifiersEnvConfig, config: Config) -> EpisodeSource:
     """`kind = "verifiers"`: the environment loaded now (a bad id or load fails at start), its
-    dataset as the run's prompts, each episode its own rollout through the run's endpoint."""
+    dataset as the run's prompts, each episode its own rollout through the run's endpoint; or,
+    with `taskset`, a v1 taskset (`rollflow.envs.tasksets`)."""
     from rollflow.evaluate import sampling_spec
+
+    if bool(settings.environment) == bool(settings.taskset):
+        raise ConfigError(
+            'env: kind = "verifiers" needs one of environment = "ID" (a classic environment) or '
+            'taskset = "ID" (a v1 taskset)' + (", not both" if settings.taskset else "")
+        )
+    if settings.taskset:
+        from rollflow.envs.tasksets import TasksetEpisodes
+
+        return TasksetEpisodes(settings, config.model.path)
 
     env = VerifiersEnv(settings.environment, settings.args)
     return AgentEpisodes(env, settings, model=config.model.path, sampling=sampling_spec(config), rows=env.rows)

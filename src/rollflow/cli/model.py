@@ -39,12 +39,12 @@ def model_config(args: argparse.Namespace) -> Any:  # -> Config
     if model is not None:
         overrides.append(f"model.path={json.dumps(str(model))}")
     config = load_config(config_file, preset=args.preset, overrides=overrides)
-    if config.env is not None:  # its samples are episodes: single-turn prompts of data.task would be another task
+    if config.env is not None and args.command != "eval":  # single-turn prompts would be another task
         raise UserInputError(
             f"{args.command}: the config's samples are episodes ([env] kind = {config.env.__struct_config__.tag!r}); "
             f"{args.command} samples "
             f"single-turn prompts of data.task ({config.data.task!r}) and would score a task the run does not train "
-            "on. Leave [env] out to use it on the task alone"
+            "on. Leave [env] out to use it on the task alone, or use eval, which plays the episodes"
         )
     return config
 

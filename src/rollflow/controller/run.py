@@ -32,7 +32,7 @@ from rollflow.controller.training import Hooks, TrainingLoop
 from rollflow.controller.weights import AdapterWeights, FullWeights, WeightPublisher, WeightStrategy
 from rollflow.engine import ManagedEngine
 from rollflow.errors import ConfigError
-from rollflow.evaluate import HeldOut, evaluate_held_out, sampling_spec
+from rollflow.evaluate import HeldOut, HeldOutEpisodes, evaluate_held_out, sampling_spec
 from rollflow.rundir import OwnedRun
 from rollflow.scoring import RewardFunc
 from rollflow.trainer import TrainerBackend
@@ -347,9 +347,16 @@ class Controller:
         return await self.checkpointer.save(state)
 
     async def _evaluate(self, pass_k: int = 0) -> HeldOut:
+        """The held-out scores of the engine's weights: single turns of `data.task` scored with
+        `run.reward`, or, when the samples are episodes, held-out episodes scored as training
+        scores them."""
         self.outputs.waiting(f"scoring {self.config.run.eval_prompts} held-out prompts")
+        episodes, scorer = None, self.plan.eval_scorer
+        if self.plan.episodes is not None and self.producer.context is not None:
+            episodes = HeldOutEpisodes(self.plan.episodes, self.producer.context, self.parts.held_out_rows)
+            scorer = self.plan.scorer
         return await evaluate_held_out(
-            self.engine, self.config, self.parts.tokenizer, self.plan.eval_scorer, pass_k=pass_k
+            self.engine, self.config, self.parts.tokenizer, scorer, pass_k=pass_k, episodes=episodes
         )
 
 

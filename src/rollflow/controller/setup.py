@@ -36,6 +36,7 @@ from rollflow.engine.factory import check_engines, make_engine
 from rollflow.envs import ChatFormat
 from rollflow.envs.source import EpisodeSource, episode_source
 from rollflow.errors import ConfigError
+from rollflow.evaluate import split_held_out
 from rollflow.models import check_chat_template, load_tokenizer, prompt_encoder, resolve_model
 from rollflow.sampler import Sampler
 from rollflow.scoring import RewardFunc, Scorer, eval_scorer, make_rewards
@@ -130,6 +131,8 @@ class Components:
     """The run's config with what depends on the model made concrete (`engine.max_model_len`)."""
     policy_base: Path | None = None
     """The model folder the trainer was built from (None when a trainer was given)."""
+    held_out_rows: list[Row] | None = None
+    """The episode source's rows held out for evaluation (its last `run.eval_prompts`), never trained."""
 
 
 def with_context(config: Config, model_path: Path) -> Config:
@@ -150,6 +153,12 @@ async def build(plan: Plan, given: Given) -> Components:
     config, task = plan.config, plan.task
     multi_turn = plan.episodes is not None
     rows: list[Row] | None = plan.episodes.rows() if plan.episodes is not None else None
+    held_out_rows = None
+    if rows is not None and config.run.eval_prompts:
+        assert config.env is not None
+        rows, held_out_rows = split_held_out(
+            rows, config.run.eval_prompts, f"[env] kind = {config.env.__struct_config__.tag!r}"
+        )
     needs_model = given.tokenizer is None or given.engine is None or (given.trainer is None and given.runner is None)
     model_path = resolve_model(config.model.path) if needs_model else Path(config.model.path)
     config = with_context(config, model_path)
@@ -197,6 +206,7 @@ async def build(plan: Plan, given: Given) -> Components:
         transport=given.transport or make_transport(config.run.weight_transport, host=config.run.weight_sync_host),
         config=config,
         policy_base=model_path if given.trainer is None and given.runner is None else None,
+        held_out_rows=held_out_rows,
     )
 
 

@@ -27,6 +27,9 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     """Standard deviation of those rewards."""
     rewards: dict[str, dict[str, float]]
     """Mean and std per reward function (by name)."""
+    env_metrics: dict[str, float] = {}
+    """Mean per metric an environment measured of its scored episodes (a verifiers task's `@vf.metric`s and
+    `@vf.reward` scores)."""
     samples: int
     """Samples in the batch (unscorable ones left out)."""
     tokens: int
@@ -138,6 +141,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     """Share of held-out prompts with a correct one among `run.eval_pass_k` samples."""
     eval_s: float | None = None
     """Time the training loop waited for that evaluation."""
+    eval_version: int | None = None
+    """The policy version whose weights generated that evaluation's tokens."""
 
     def as_row(self) -> dict[str, Any]:
         """The plain dict sinks receive (absent values left out)."""

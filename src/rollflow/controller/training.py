@@ -136,6 +136,8 @@ class TrainingLoop:
         held_out = await self.hooks.evaluate()
         self.outputs.trace.span("evaluate", "engine", began, self.flow.clock(), version=version)
         out = {"eval_accuracy": held_out.greedy.accuracy, "eval_s": self.flow.clock() - began}
+        if held_out.greedy.versions:
+            out["eval_version"] = min(held_out.greedy.versions)
         if held_out.sampled is not None:
             out["eval_pass_at_k"] = held_out.sampled.pass_at_group
         return out

@@ -1,0 +1,258 @@
+"""verifiers v1 tasksets (`[env] kind = "verifiers"`, `taskset = "ID"`) with scripted model turns
+and the tiny model's real tokenizer: the real verifiers package loads the taskset and its tasks
+score the episode's `vf.Trace` with their own rewards and metrics; what cannot be trained here is
+refused at start naming it, and a task that cannot score makes its episode unscorable with the
+reason. Training real vLLM on a taskset is in tests/integration/test_environments.py."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+
+import pytest
+
+from rollflow.config import Config, VerifiersEnvConfig, load_config
+from rollflow.controller import Controller
+from rollflow.controller.setup import Given
+from rollflow.envs.source import EpisodeContext, episode_source
+from rollflow.envs.tasksets import TasksetEpisodes
+from rollflow.errors import ConfigError
+from rollflow.records import Prompt, SamplingSpec
+from rollflow.testing import FakeEngine, FakeTrainer, NullTransport, ScriptedTurns
+
+pytestmark = pytest.mark.usefixtures("example_environments")
+
+SPEC = SamplingSpec(temperature=1.0, max_tokens=64)
+
+
+def source(**settings) -> TasksetEpisodes:
+    return TasksetEpisodes(VerifiersEnvConfig(**settings), "tiny")
+
+
+def prompt_of(episodes: TasksetEpisodes, i: int) -> Prompt:
+    row = episodes.rows()[i]
+    return Prompt(id=row.id, token_ids=[1], messages=row.messages, answer=row.answer, task=row.task,
+                  metadata=row.metadata)
+
+
+async def play(episodes, chat, turns, i=0, timeout_s=30.0):
+    context = EpisodeContext(chat=chat, sampling=SPEC, max_model_len=1024)
+    episodes.settings = VerifiersEnvConfig(taskset=episodes.settings.taskset, step_timeout_s=timeout_s)
+    return await episodes.play(prompt_of(episodes, i), group_id="g0", index=0, generate=ScriptedTurns(chat, turns),
+                               context=context)
+
+
+def test_the_tasks_become_rows_with_stable_ids_and_their_own_prompts():
+    episodes = source(taskset="sums-taskset", taskset_args={"n": 5})
+    rows = episodes.rows()
+    assert len(rows) == 5 and len({r.id for r in rows}) == 5
+    assert all(r.id.startswith("sums-taskset-") and r.task == "sums-taskset" for r in rows)
+    assert [m.role for m in rows[0].messages] == ["system", "user"]
+    assert rows[0].messages[0].content == "Answer with a number." and rows[0].messages[1].content.startswith("What is")
+    assert [r.id for r in source(taskset="sums-taskset", taskset_args={"n": 5}).rows()] == [r.id for r in rows]
+    assert [r.id for r in source(taskset="sums-taskset", taskset_args={"n": 3}, max_tasks=2).rows()] == [
+        r.id for r in rows[:2]]
+
+
+@pytest.mark.parametrize(("right", "reward"), [(True, 1.5), (False, 0.0)])
+async def test_an_episode_is_scored_by_its_task_with_its_rewards_weights_and_metrics(chat, right, reward):
+    episodes = source(taskset="sums-taskset", taskset_args={"n": 4})
+    answer = episodes.rows()[0].answer
+    text = answer if right else "none"
+    sample = await play(episodes, chat, [text])
+    assert sample.unscorable is None and sample.env_reward == "sums-taskset"
+    # correct (weight 1) + digits share (weight 0.5): the answer is all digits, "none" has none
+    assert sample.process_rewards == [(sample.num_tokens - 1, reward)]
+    assert sample.env_metrics == {"correct": float(right), "digits": float(right), "reply_chars": float(len(text))}
+    assert sample.completion_token_ids == [*chat.tokens(text), chat.tokenizer.eos_token_id]
+    assert sample.turns == 1 and sample.loss_mask == [1] * sample.num_tokens
+
+
+TASKSETS = {
+    "ts_bad_rewards": """
+        import math
+        import verifiers.v1 as vf
+
+        class Data(vf.TaskData):
+            mode: str
+
+        class BadTask(vf.Task[Data, vf.State, vf.TaskConfig]):
+            @vf.reward
+            async def judged(self, task: Data) -> float:
+                if task.mode == "raise":
+                    raise RuntimeError("judge offline")
+                if task.mode == "nan":
+                    return math.nan
+                if task.mode == "hang":
+                    import asyncio
+                    await asyncio.sleep(60)
+                return 1.0
+
+        class BadTaskset(vf.Taskset[BadTask, vf.TasksetConfig]):
+            def load(self):
+                for i, mode in enumerate(["raise", "nan", "hang", "fine"]):
+                    yield BadTask(Data(idx=i, prompt=f"mode {mode}", mode=mode), self.config.task)
+
+        __all__ = ["BadTaskset"]
+    """,
+    "ts_runtime_only": """
+        import verifiers.v1 as vf
+
+        class SandboxTask(vf.Task):
+            @vf.reward
+            async def tests_pass(self, trace: vf.Trace, runtime) -> float:
+                return 1.0
+
+        class SandboxTaskset(vf.Taskset[SandboxTask, vf.TasksetConfig]):
+            def load(self):
+                yield SandboxTask(vf.TaskData(idx=0, prompt="write code"), self.config.task)
+
+        __all__ = ["SandboxTaskset"]
+    """,
+    "ts_infinite": """
+        import itertools
+        import verifiers.v1 as vf
+
+        class Forever(vf.Taskset[vf.Task, vf.TasksetConfig]):
+            INFINITE = True
+
+            def load(self):
+                for i in itertools.count():
+                    yield vf.Task(vf.TaskData(idx=i, prompt=f"task {i}"), self.config.task)
+
+        __all__ = ["Forever"]
+    """,
+    "ts_raises": """
+        import verifiers.v1 as vf
+
+        class Broken(vf.Taskset[vf.Task, vf.TasksetConfig]):
+            def load(self):
+                raise FileNotFoundError("data/train.parquet")
+                yield
+
+        __all__ = ["Broken"]
+    """,
+    "ts_no_all": """
+        import verifiers.v1 as vf
+
+        class Lonely(vf.Taskset[vf.Task, vf.TasksetConfig]):
+            def load(self):
+                return []
+    """,
+    "ts_multi_turn": """
+        import verifiers.v1 as vf
+
+        class Game(vf.Taskset[vf.Task, vf.TasksetConfig]):
+            def load(self):
+                yield vf.Task(vf.TaskData(idx=0, prompt="play"), self.config.task)
+
+        class GameEnv(vf.Env):
+            async def run(self, task, agents):
+                pass
+
+        __all__ = ["Game", "GameEnv"]
+    """,
+}
+
+
+@pytest.fixture
+def tasksets(tmp_path, monkeypatch):
+    for name, code in TASKSETS.items():
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(code))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in TASKSETS:
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.usefixtures("tasksets")
+async def test_a_reward_that_raises_is_not_finite_or_hangs_makes_only_its_episode_unscorable(chat):
+    episodes = source(taskset="ts-bad-rewards")
+    reasons = [(await play(episodes, chat, ["4"], i=i, timeout_s=1.0)).unscorable for i in range(4)]
+    assert "judge offline" in reasons[0] and "RuntimeError" in reasons[0]
+    assert "reward judged gave nan (float), expected a finite number" in reasons[1]
+    assert "timed out after 1 s" in reasons[2]
+    assert reasons[3] is None
+
+
+@pytest.mark.usefixtures("tasksets")
+async def test_a_task_whose_rewards_all_need_a_runtime_is_unscorable_saying_so(chat):
+    sample = await play(source(taskset="ts-runtime-only"), chat, ["done"])
+    assert sample.reward is None and "has no reward that runs without a runtime" in sample.unscorable
+
+
+@pytest.mark.usefixtures("tasksets")
+@pytest.mark.parametrize(("settings", "wanted"), [
+    ({"taskset": "sums-taskzet"}, "no verifiers taskset 'sums-taskzet' is installed (no module 'sums_taskzet'); "
+                                  "did you mean 'sums_taskset'?"),
+    ({"taskset": "sums-taskset", "taskset_args": {"n": "many"}}, "env.taskset_args: not a valid SumsConfig"),
+    ({"taskset": "ts-infinite"}, "'ts-infinite' is infinite: give env.max_tasks"),
+    ({"taskset": "ts-raises"}, "loading 'ts-raises''s tasks raised FileNotFoundError: data/train.parquet"),
+    ({"taskset": "ts-no-all"}, "defines no `__all__`"),
+    ({"taskset": "ts-multi-turn"}, "runs its own environment program (GameEnv"),
+])
+def test_what_cannot_be_trained_is_refused_at_start_naming_it(settings, wanted):
+    with pytest.raises(ConfigError) as err:
+        source(**settings)
+    assert wanted in str(err.value)
+
+
+def test_an_infinite_taskset_reads_max_tasks(tasksets):
+    assert len(source(taskset="ts-infinite", max_tasks=7).rows()) == 7
+
+
+def test_the_config_takes_one_of_environment_and_taskset():
+    for env in ('kind = "verifiers"', 'kind = "verifiers"\nenvironment = "vf-sums"\ntaskset = "sums-taskset"'):
+        config = load_config(preset="tiny", overrides=[])
+        settings = msgspec_env(env)
+        with pytest.raises(ConfigError, match="needs one of environment"):
+            episode_source(Config(model=config.model, env=settings))
+
+
+def msgspec_env(text: str):
+    import msgspec
+
+    return msgspec.convert(msgspec.toml.decode(text.encode()), VerifiersEnvConfig)
+
+
+async def test_a_run_trains_on_a_taskset_with_its_rewards_and_metrics_in_the_step_metrics(tmp_path, chat):
+    config = load_config(preset="tiny", overrides=[
+        "run.max_steps=2", "sampling.max_tokens=8", "env.kind=verifiers", "env.taskset=sums-taskset",
+        "env.taskset_args={n = 8}"])
+    controller = Controller(config, tmp_path, given=Given(engine=FakeEngine(), trainer=FakeTrainer(),
+                                                          transport=NullTransport(), tokenizer=chat.tokenizer))
+    result = await asyncio.wait_for(controller.run(), 100)
+    assert result.steps == 2
+    assert set(result.metrics[0]["rewards"]) == {"sums-taskset"}
+    assert set(result.metrics[0]["env_metrics"]) == {"correct", "digits", "reply_chars"}
+
+
+async def test_held_out_tasks_are_never_trained_and_are_evaluated_as_episodes_with_the_version_measured(
+        tmp_path, chat):
+    """`run.eval_prompts` holds out the taskset's last tasks: evaluated before, during
+    (`run.eval_every`) and after training, scored by their tasks, never in a trained group."""
+    import json
+
+    config = load_config(preset="tiny", overrides=[
+        "run.max_steps=2", "sampling.max_tokens=8", "env.kind=verifiers", "env.taskset=sums-taskset",
+        "env.taskset_args={n = 10}", "run.eval_prompts=3", "run.eval_every=1", "run.groups_per_step=2"])
+    held_out = {r.id for r in source(taskset="sums-taskset", taskset_args={"n": 10}).rows()[-3:]}
+    controller = Controller(config, tmp_path, given=Given(engine=FakeEngine(), trainer=FakeTrainer(),
+                                                          transport=NullTransport(), tokenizer=chat.tokenizer))
+    result = await asyncio.wait_for(controller.run(), 100)
+    assert result.eval_before.prompts == 3 and result.eval_after.prompts == 3
+    assert result.eval_before.versions == [0] and result.eval_after.versions == [2]
+    assert result.eval_before.unscorable == 0 and 0 <= result.eval_after.accuracy <= 1.5
+    assert result.metrics[0]["eval_accuracy"] is not None and result.metrics[0]["eval_version"] == 1
+    trained = {json.loads(line)["id"].split("@")[0] for line in (tmp_path / "ledger.jsonl").open()}
+    assert trained and not trained & held_out
+
+
+async def test_holding_out_every_task_is_refused_naming_the_setting(tmp_path, chat):
+    config = load_config(preset="tiny", overrides=[
+        "env.kind=verifiers", "env.taskset=sums-taskset", "env.taskset_args={n = 3}", "run.eval_prompts=3"])
+    controller = Controller(config, tmp_path, given=Given(engine=FakeEngine(), trainer=FakeTrainer(),
+                                                          transport=NullTransport(), tokenizer=chat.tokenizer))
+    with pytest.raises(ConfigError, match=r"run.eval_prompts: \[env\] kind = 'verifiers' brings 3 prompts"):
+        await asyncio.wait_for(controller.run(), 100)
