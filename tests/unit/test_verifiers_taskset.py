@@ -256,3 +256,18 @@ async def test_holding_out_every_task_is_refused_naming_the_setting(tmp_path, ch
                                                           transport=NullTransport(), tokenizer=chat.tokenizer))
     with pytest.raises(ConfigError, match=r"run.eval_prompts: \[env\] kind = 'verifiers' brings 3 prompts"):
         await asyncio.wait_for(controller.run(), 100)
+
+
+def test_a_classic_environment_runs_on_the_legacy_api_and_is_refused_where_there_is_none():
+    """verifiers 0.3 keeps the classic API (`verifiers.legacy`); 0.4 has only v1, so a classic
+    environment is refused in one line naming the installed version (CI runs this file with both)."""
+    from importlib import metadata
+
+    from rollflow.agent.verifiers import VerifiersEnv, _version_tuple
+
+    version = metadata.version("verifiers")
+    if _version_tuple(version) >= (0, 4):
+        with pytest.raises(ConfigError, match=rf"verifiers {version} is installed; rollflow trains environments"):
+            VerifiersEnv("vf-sums")
+    else:
+        assert len(VerifiersEnv("vf-sums", {"n": 2}).rows()) == 2

@@ -60,18 +60,28 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _library() -> Any:
+def check_version(field: str, supported: tuple[tuple[int, ...], tuple[int, ...]], what: str, newer: str) -> None:
+    """ConfigError naming `field` unless the installed verifiers is within `supported` (at least
+    the first, below the second): what to install, or `newer`'s advice when it is too new."""
     try:
         version = metadata.version("verifiers")
     except metadata.PackageNotFoundError:
-        raise ConfigError(f"env.environment: needs the verifiers package; {EXTRA}") from None
-    low, high = SUPPORTED
-    if not low <= _version_tuple(version) < high:
+        raise ConfigError(f"{field}: needs the verifiers package; {EXTRA}") from None
+    low, high = supported
+    found = _version_tuple(version)
+    if not low <= found < high:
         raise ConfigError(
-            f"env.environment: verifiers {version} is installed; rollflow trains environments of verifiers "
-            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))} (Environment.run_rollout): "
-            f"{EXTRA}"
+            f"{field}: verifiers {version} is installed; rollflow trains {what} of verifiers "
+            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}: {newer if found >= high else EXTRA}"
         )
+
+
+def _library() -> Any:
+    check_version(
+        "env.environment", SUPPORTED, "environments (Environment.run_rollout)",
+        "verifiers 0.4 has only the v1 API; a v1 taskset is `taskset = \"ID\"`, a classic environment needs "
+        "pip install 'verifiers>=0.3.1,<0.4'",
+    )  # fmt: skip
     import verifiers
 
     return verifiers

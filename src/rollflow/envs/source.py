@@ -9,8 +9,10 @@ the first episode and closes it at the end (it is `Served`), takes the prompts i
 `kind` names (`SOURCES`), or wraps what was passed in Python (`env=`, `agent=`).
 
 The adapters, each in one module beside the seam it feeds: `rollflow.envs.EnvironmentEpisodes`
-(step-wise environments: `tool` and `openenv`) and `rollflow.agent.AgentEpisodes` (programs that
-drive the model through the run's endpoint: `agent` and `verifiers`). A new source of episodes is
+(step-wise environments: `tool` and `openenv`), `rollflow.envs.factory.FactoryEpisodes` (TRL's
+environment classes), `rollflow.envs.tasksets.TasksetEpisodes` (verifiers v1 tasksets: `verifiers`
+with `taskset`) and `rollflow.agent.AgentEpisodes` (programs that drive the model through the run's
+endpoint: `agent`, and `verifiers` with `environment`). A new source of episodes is
 one module with a function `episodes(settings, config) -> EpisodeSource` plus one tagged struct in
 `rollflow.config` and one line in `SOURCES`. This module plays no episode itself.
 """

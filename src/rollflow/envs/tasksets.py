@@ -14,7 +14,7 @@ runtime (a sandbox) is skipped by verifiers; when no reward is left, or a reward
 something that is not a finite number or runs past `env.step_timeout_s`, the episode is
 unscorable with the reason.
 
-Supported: single-turn tasks without tools, from verifiers `SUPPORTED` (tested with 0.3.1).
+Supported: single-turn tasks without tools, from verifiers `SUPPORTED` (tested with 0.3.1 and 0.4.0).
 Refused at start, naming what: a taskset whose package runs its own `Env` (multi-turn programs),
 tasks with tool servers (`toolsets`) or that need a container, an infinite taskset without
 `max_tasks`. The library is imported lazily; without it, one error names the extra.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import time
-from importlib import metadata
 from typing import Any
 
 import msgspec
@@ -39,9 +38,7 @@ from rollflow.errors import ConfigError, DataError
 from rollflow.records import Message, Prompt, Sample
 from rollflow.scoring import finite, shown
 
-EXTRA = "pip install 'rollflow[verifiers]'"
-
-SUPPORTED = (0, 3, 1), (0, 4, 0)
+SUPPORTED = (0, 3, 1), (0, 5, 0)
 """verifiers versions whose v1 tasksets this adapter runs: at least the first, below the second."""
 
 ROLES = {"system", "user", "assistant"}
@@ -58,18 +55,9 @@ class Unscorable(Exception):
 
 def _v1() -> Any:
     """`verifiers.v1`, or ConfigError saying what to install."""
-    from rollflow.agent.verifiers import _version_tuple
+    from rollflow.agent.verifiers import check_version
 
-    try:
-        version = metadata.version("verifiers")
-    except metadata.PackageNotFoundError:
-        raise ConfigError(f"env.taskset: needs the verifiers package; {EXTRA}") from None
-    low, high = SUPPORTED
-    if not low <= _version_tuple(version) < high:
-        raise ConfigError(
-            f"env.taskset: verifiers {version} is installed; rollflow trains v1 tasksets of verifiers "
-            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))} (tested with 0.3.1): {EXTRA}"
-        )
+    check_version("env.taskset", SUPPORTED, "v1 tasksets", "a newer verifiers is not tested with rollflow yet")
     import verifiers.v1 as vf
 
     return vf
