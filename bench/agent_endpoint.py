@@ -7,9 +7,12 @@ Both paths render the same messages with the chat template and sample the same n
 trip, the JSON bodies, the request checks and the episode's recording. Prints a table and, last,
 `RESULT agent_endpoint_ratio=<x>` (median over rounds of endpoint tokens/s divided by direct
 tokens/s; 1.0 = no cost) with one HTTP client shared by the episodes' `openai` clients, after
-the same figure with a client made per episode (`agent_endpoint_ratio_client_per_episode`) and
-with one shared client on aiohttp's pool, `rollflow.agent.http.http_client()`
-(`agent_endpoint_ratio_aiohttp`).
+the same figure with a client made per episode (`agent_endpoint_ratio_client_per_episode`), with
+one shared client on aiohttp's pool, `rollflow.agent.http.http_client()`
+(`agent_endpoint_ratio_aiohttp`), through OpenAI's Responses API with the `openai` client on one
+shared HTTP client (`responses_ratio`), and through Anthropic's Messages API with the `anthropic`
+client on one shared HTTP client, the episode chosen by its key on the run's one URL
+(`anthropic_ratio`).
 
     bin/dev python bench/agent_endpoint.py [--requests 32] [--tokens 128] [--rounds 12]
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+import anthropic
 import openai
 from sidebyside import alternate, engine_args, report
 
@@ -47,13 +51,29 @@ async def direct(engine, chat: ChatFormat, spec: SamplingSpec, conversations, ta
     return sum(s.num_tokens for s in samples)
 
 
-async def through_endpoint(engine, chat, spec, server: AgentServer, conversations, tag: str, http=None) -> int:
-    """`http`: one HTTP client for every episode's `openai` client (None: each makes its own,
-    which costs it an SSL context, about 50 ms of CPU on this machine, even for plain HTTP)."""
+async def through_endpoint(
+    engine, chat, spec, server: AgentServer, conversations, tag: str, http=None, dialect: str = "openai"
+) -> int:
+    """`http`: one HTTP client for every episode's client (None: each makes its own, which costs
+    it an SSL context, about 50 ms of CPU on this machine, even for plain HTTP). `dialect`:
+    `openai` (chat completions on the episode's URL), `responses` (the Responses API there) or
+    `anthropic` (Messages on the run's URL)."""
     made = []
 
     async def agent(task, base_url):
+        if dialect == "anthropic":
+            messages = [{"role": "user", "content": task.prompt}]
+            claude = anthropic.AsyncAnthropic(base_url=task.endpoint, api_key=task.api_key, max_retries=0,
+                                              http_client=http)
+            message = await claude.messages.create(model=task.model, messages=messages, max_tokens=spec.max_tokens)
+            made.append(message.usage.output_tokens)
+            return
         client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=http)
+        if dialect == "responses":
+            response = await client.responses.create(model=task.model, input=task.messages,
+                                                     max_output_tokens=spec.max_tokens)
+            made.append(response.usage.output_tokens)
+            return
         reply = await client.chat.completions.create(model=task.model, messages=task.messages,
                                                      max_tokens=spec.max_tokens)
         if http is None:
@@ -83,11 +103,14 @@ async def main(args: argparse.Namespace) -> None:
     conversations = questions(args.requests)
     http = openai.DefaultAsyncHttpxClient()
     pooled = http_client()
+    claude_http = anthropic.DefaultAsyncHttpxClient()
     try:
         await engine.start()
         await server.start()
         await direct(engine, chat, spec, conversations[:4], "warmup")
         await through_endpoint(engine, chat, spec, server, conversations[:4], "warmup", http)
+        await through_endpoint(engine, chat, spec, server, conversations[:4], "warmup", claude_http, "anthropic")
+        await through_endpoint(engine, chat, spec, server, conversations[:4], "warmup", http, "responses")
         own_clients = await alternate(
             [
                 ("rollout() directly", lambda tag: direct(engine, chat, spec, conversations, tag)),
@@ -104,6 +127,23 @@ async def main(args: argparse.Namespace) -> None:
             ],
             args.rounds,
         )
+        responses_api = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, conversations, tag)),
+                ("Responses API, one HTTP client",
+                 lambda tag: through_endpoint(engine, chat, spec, server, conversations, tag, http, "responses")),
+            ],
+            args.rounds,
+        )
+        messages_api = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, conversations, tag)),
+                ("Messages API, one URL",
+                 lambda tag: through_endpoint(engine, chat, spec, server, conversations, tag, claude_http,
+                                              "anthropic")),
+            ],
+            args.rounds,
+        )
         totals, ratios = await alternate(
             [
                 ("rollout() directly", lambda tag: direct(engine, chat, spec, conversations, tag)),
@@ -115,10 +155,13 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         await http.aclose()
         await pooled.aclose()
+        await claude_http.aclose()
         await server.aclose()
         await engine.aclose()
     report(*own_clients, args, "agent_endpoint_ratio_client_per_episode")
     report(*aiohttp_pool, args, "agent_endpoint_ratio_aiohttp")
+    report(*responses_api, args, "responses_ratio")
+    report(*messages_api, args, "anthropic_ratio")
     report(totals, ratios, args, "agent_endpoint_ratio")
 
 

@@ -1,7 +1,7 @@
-"""Agents on the OpenAI-compatible endpoint with real vLLM on the tiny model and the real
-`openai` client: what the client received is what was recorded, token for token, with the
-version of the weights that computed it, across a weight update between two calls; and a short
-training run of agents, some of which fail."""
+"""Agents on the endpoint with real vLLM on the tiny model and the real `openai` and `anthropic`
+clients (chat completions, Responses, Messages): what the client received is what was recorded,
+token for token, with the version of the weights that computed it, across a weight update between
+two calls; and a short training run of agents, some of which fail."""
 
 from __future__ import annotations
 
@@ -78,6 +78,74 @@ async def test_what_the_client_received_is_recorded_with_exact_versions_across_a
     # Versions: the first call under the first weights, the second under those loaded between.
     assert sample.versions == [version] * (n0 + len(between)) + [version + 1] * n1
     assert turn0.completion_token_ids == model_a.greedy(context0, n0)[0]
+    assert turn1.completion_token_ids == model_b.greedy(context1, n1)[0]
+
+
+async def streamed_turn(dialect: str, task, base_url: str, history: list) -> tuple[str, int, str]:
+    """One streamed call in `dialect` with the official client: (the text it assembled from the
+    events, the output tokens it was told, how the turn ended); the reply is appended to `history`."""
+    if dialect == "anthropic":
+        import anthropic
+
+        claude = anthropic.AsyncAnthropic(base_url=task.endpoint, api_key=task.api_key, max_retries=0)
+        async with claude, claude.messages.stream(model=task.model, max_tokens=8, messages=history) as stream:
+            reply = await stream.get_final_message()
+        history.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+        text = "".join(b.text for b in reply.content if b.type == "text")
+        return text, reply.usage.output_tokens, reply.stop_reason
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    async with client, client.responses.stream(model=task.model, input=history, store=False) as stream:
+        # a turn cut at its budget ends with `response.incomplete`, as OpenAI's does (no final response)
+        ends = [e.response async for e in stream if e.type in ("response.completed", "response.incomplete")]
+    (response,) = ends
+    history += [item.model_dump(exclude_none=True) for item in response.output]
+    return response.output_text, response.usage.output_tokens, response.status
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dialect", "cut"), [("anthropic", "max_tokens"), ("responses", "incomplete")])
+async def test_a_streamed_call_in_each_dialect_is_recorded_with_exact_versions_across_an_update(
+    engine_on_a, model_a, model_b, dialect, cut
+):
+    """The same with Anthropic's client and with the Responses API, streamed: the text each client
+    assembled from the events is the recorded turn's text, and the usage its token count."""
+    engine = engine_on_a
+    chat = ChatFormat(load_tokenizer(tiny_model_path(0)))
+    server = AgentServer("tiny", GREEDY)
+    await server.start()
+    turns, replies = [], []
+
+    async def generate(token_ids, spec, n):
+        sample = await rollout(engine, Prompt(id="ep", token_ids=token_ids), spec, group_id=f"ep/t{n}", index=0)
+        turns.append((list(token_ids), sample))
+        return sample
+
+    async def agent(task, base_url):
+        history = [{"role": "user", "content": task.prompt}]
+        for turn in range(2):
+            replies.append(await streamed_turn(dialect, task, base_url, history))
+            history.append({"role": "user", "content": "Check your answer."})
+            if turn == 0:
+                await engine.update_weights(model_b.state_dict())
+        return 1.0
+
+    prompt = Prompt(id="ep", token_ids=[], messages=[Message(role="user", content="What is 2 + 3?")])
+    version = engine.version
+    try:
+        episode = AgentEpisode(prompt, GREEDY, generate, chat, EpisodeLimits(max_turns=4, max_tokens=200))
+        sample = await run_agent(agent, episode, server, group_id="ep", index=0, timeout_s=120)
+    finally:
+        await server.aclose()
+    assert sample.unscorable is None and sample.turns == 2 and sample.segments == []
+    (_, turn0), (context1, turn1) = turns
+    n0, n1 = turn0.num_tokens, turn1.num_tokens
+    between = sample.completion_token_ids[n0 : len(sample.completion_token_ids) - n1]
+    assert sample.completion_token_ids == turn0.completion_token_ids + between + turn1.completion_token_ids
+    assert context1 == sample.prompt_token_ids + sample.completion_token_ids[: n0 + len(between)]
+    for (text, tokens, ended), turn in zip(replies, (turn0, turn1), strict=True):
+        assert text == chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=True)
+        assert tokens == turn.num_tokens and ended == cut
+    assert sample.versions == [version] * (n0 + len(between)) + [version + 1] * n1
     assert turn1.completion_token_ids == model_b.greedy(context1, n1)[0]
 
 

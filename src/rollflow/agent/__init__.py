@@ -1,9 +1,11 @@
-"""Agents written against the OpenAI chat API, trained as they are.
+"""Agents written against the OpenAI chat API or Anthropic's Messages API, trained as they are.
 
 `[env] kind = "agent"`, `function = "module:function"` names `async def agent(task, base_url)
--> float | None` (a sync function runs in a thread). For each episode the run opens a base URL on its OpenAI-compatible
-endpoint (`rollflow.agent.server`), calls the agent with the episode's `AgentTask` and that URL,
-and records every completion it serves token-in/token-out (`rollflow.agent.episode`): the
+-> float | None` (a sync function runs in a thread). For each episode the run opens a base URL on its
+endpoint (`rollflow.agent.server`) and a key that selects the episode on the run's one URL
+(`AgentTask.api_key`, `AgentTask.environ` for a program that reads `OPENAI_BASE_URL` or
+`ANTHROPIC_BASE_URL` and a key from its environment), calls the agent with the episode's
+`AgentTask` and that URL, and records every completion it serves token-in/token-out (`rollflow.agent.episode`): the
 sampled tokens exactly, their behaviour log-probs and per-token versions, the agent's tool results
 and messages masked out of the loss.
 
@@ -66,6 +68,22 @@ class AgentTask(msgspec.Struct, frozen=True, kw_only=True):
     """The prompt's reference answer, if the dataset has one."""
     task: str = ""
     metadata: dict[str, Any] = {}
+    endpoint: str = ""
+    """The run's one URL (`http://HOST:PORT`), the same for every episode: with `api_key` it serves
+    this episode, for clients that take a base URL and a key from their environment."""
+    api_key: str = ""
+    """This episode's key (random, dead once the episode ends): a bearer token or `x-api-key`."""
+
+    @property
+    def environ(self) -> dict[str, str]:
+        """The variables the official clients read (OpenAI's and Anthropic's base URL and key), set to
+        this episode: pass them to a program (`subprocess.run(..., env=os.environ | task.environ)`)."""
+        return {
+            "OPENAI_BASE_URL": f"{self.endpoint}/v1",
+            "OPENAI_API_KEY": self.api_key,
+            "ANTHROPIC_BASE_URL": self.endpoint,
+            "ANTHROPIC_API_KEY": self.api_key,
+        }
 
     @property
     def prompt(self) -> str:
@@ -161,7 +179,9 @@ async def run_agent(
     """Run one episode of `agent` against its own base URL; the recorded sample, unscorable with
     the reason when the agent failed."""
     key, base_url = server.open(episode)
-    task = task_of(episode.prompt, server.model)
+    task = msgspec.structs.replace(
+        task_of(episode.prompt, server.model), endpoint=server.url, api_key=server.api_key(key)
+    )
     failure: str | None = None
     reward: float | None = None
     try:

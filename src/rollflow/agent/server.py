@@ -1,16 +1,24 @@
-"""The OpenAI-compatible endpoint a run serves its agents (aiohttp, 127.0.0.1 by default).
+"""The endpoint a run serves its agents (aiohttp, 127.0.0.1 by default), in the dialects agents use.
 
 Each episode has its own base URL, `http://HOST:PORT/episodes/<id>/v1`, so an agent needs only
-`base_url` and concurrent episodes never mix. Routes under it: `POST /chat/completions` and
-`GET /models`. A request the run cannot honour — another model, a sampling setting other than
-the run's (the importance-sampling correction assumes the run's distribution), `n` > 1, stop
-sequences, constrained decoding — gets an OpenAI-style error body (`{"error": {"message",
-"type", "param", "code"}}`) and status 400; nothing is silently changed.
+`base_url` and concurrent episodes never mix. Routes under it: `POST /chat/completions` (OpenAI's
+chat completions), `POST /responses` (OpenAI's Responses API, `rollflow.agent.responses`),
+`POST /messages` (Anthropic's Messages API, `rollflow.agent.anthropic`; Anthropic's client takes
+the URL without `/v1`) and `GET /models` (in a form both clients read).
+The same routes answer at the run's one URL, `http://HOST:PORT/v1/...`, for the episode whose key
+the call carries (`Authorization: Bearer KEY` or `x-api-key: KEY`): each episode gets a random key
+of its own (`api_key`) that dies with it; a call with no key, or a wrong or expired one, is a 401
+in the dialect's error shape and never reaches another episode.
 
-`stream: true` is answered as server-sent events in the API's chunk format; the chunks are sent
-once the turn has been generated and recorded, not token by token: in `restart` mode a weight
-update discards the tokens of the turn so far, and what the agent saw must be what is trained. This module
-does not record tokens (`rollflow.agent.episode`) or run agents (`rollflow.agent`).
+A chat request the run cannot honour — another model, a sampling setting other than the run's
+(the importance-sampling correction assumes the run's distribution), `n` > 1, stop sequences,
+constrained decoding — gets an OpenAI-style error body (`{"error": {"message", "type", "param",
+"code"}}`) and status 400; nothing is silently changed.
+
+`stream: true` is answered as server-sent events in the dialect's format; they are sent once the
+turn has been generated and recorded, not token by token: in `restart` mode a weight update
+discards the tokens of the turn so far, and what the agent saw must be what is trained. This
+module does not record tokens (`rollflow.agent.episode`) or run agents (`rollflow.agent`).
 """
 
 from __future__ import annotations
@@ -25,12 +33,23 @@ from typing import Any
 
 from aiohttp import web
 
+from rollflow.agent import anthropic, responses
 from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
 
 _CHANGES_SAMPLING = ("frequency_penalty", "presence_penalty", "logit_bias", "response_format", "top_k", "min_p")
+
+
+class _Refused(Exception):
+    """A call refused before or around its turn (no episode, a body that is not JSON, a timeout);
+    each dialect answers it in its own error shape."""
+
+    def __init__(self, status: int, message: str = "", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
 
 
 class AgentServer:
@@ -52,6 +71,12 @@ class AgentServer:
         self.port = port
         self.call_timeout_s = call_timeout_s
         self._episodes: dict[str, AgentEpisode] = {}
+        self._keys: dict[str, str] = {}
+        """api key -> episode id"""
+        self._secrets: dict[str, str] = {}
+        """episode id -> its api key"""
+        self._conversations: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+        """Responses API: response id -> (its episode, the conversation it ended), until the episode ends."""
         self._runner: web.AppRunner | None = None
         self.requests = 0
 
@@ -64,6 +89,11 @@ class AgentServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/episodes/{episode}/v1/models", self._models)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._chat)
+        app.router.add_post("/episodes/{episode}/v1/messages", self._messages)
+        app.router.add_post("/episodes/{episode}/v1/responses", self._responses)
+        app.router.add_post("/v1/chat/completions", self._chat)  # the episode chosen by the call's key
+        app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/responses", self._responses)
         # A call whose agent went away (its episode timed out, the run ended) stops generating.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -80,45 +110,79 @@ class AgentServer:
         """Register an episode; returns (its id, its base URL)."""
         key = secrets.token_hex(8)
         self._episodes[key] = episode
+        secret = self._secrets[key] = secrets.token_urlsafe(24)
+        self._keys[secret] = key
         return key, f"{self.url}/episodes/{key}/v1"
 
+    def api_key(self, key: str) -> str:
+        """The key that selects episode `key` on the run's one URL."""
+        return self._secrets[key]
+
     def close(self, key: str) -> None:
-        """The episode has ended: its URL answers 404 from now on."""
+        """The episode has ended: its URL answers 404 and its key 401 from now on."""
         self._episodes.pop(key, None)
+        self._keys.pop(self._secrets.pop(key, ""), None)
+        for rid in [rid for rid, (episode, _) in self._conversations.items() if episode == key]:
+            del self._conversations[rid]
 
     # ---- routes ------------------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
+        """The one model, as OpenAI's and Anthropic's clients list models."""
+        model = {
+            "id": self.model, "object": "model", "created": 0, "owned_by": "rollflow",  # OpenAI's fields
+            "type": "model", "display_name": self.model, "created_at": "1970-01-01T00:00:00Z",  # Anthropic's
+        }  # fmt: skip
         return web.json_response(
-            {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rollflow"}]}
+            {"object": "list", "data": [model], "has_more": False, "first_id": self.model, "last_id": self.model}
         )
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _call(self, request: web.Request) -> tuple[str, AgentEpisode, dict[str, Any]]:
+        """The call's episode (its id, itself) and its JSON body, or `_Refused`."""
         self.requests += 1
-        key = request.match_info["episode"]
+        key = request.match_info.get("episode") or self._key_of(request)
         episode = self._episodes.get(key)
         if episode is None:
-            return _error(404, f"episode {key} is not running (it has ended, or never existed)", None, "not_found")
+            raise _Refused(404, f"episode {key} is not running (it has ended, or never existed)", "not_found")
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body is not valid JSON", None)
+            raise _Refused(400, "the request body is not valid JSON") from None
         except ConnectionResetError:  # the agent went away (its episode ended) mid-request
-            return web.Response(status=499)
+            raise _Refused(499) from None
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", None)
+            raise _Refused(400, "the request body must be a JSON object")
+        return key, episode, body
+
+    def _key_of(self, request: web.Request) -> str:
+        """The episode a call to the run's one URL is for, by its key; `_Refused` (401) otherwise."""
+        bearer = request.headers.get("Authorization", "")
+        secret = request.headers.get("x-api-key") or (bearer[7:] if bearer.startswith("Bearer ") else "")
+        if not secret:
+            raise _Refused(401, "no API key: give the episode's key (Authorization: Bearer KEY or x-api-key)",
+                           "invalid_api_key")  # fmt: skip
+        if secret not in self._keys:
+            raise _Refused(401, "this API key belongs to no running episode (a wrong key, or its episode ended)",
+                           "invalid_api_key")  # fmt: skip
+        return self._keys[secret]
+
+    async def _turn(self, episode: AgentEpisode, messages: Any, call: dict[str, Any]) -> Reply:
+        """The model's turn for the call (`BadRequest`, or `_Refused` past `call_timeout_s`)."""
         try:
-            call = self._check(body)
-            reply = await asyncio.wait_for(episode.complete(body.get("messages"), **call), self.call_timeout_s)
+            return await asyncio.wait_for(episode.complete(messages, **call), self.call_timeout_s)
+        except TimeoutError:
+            raise _Refused(
+                504, f"the model's turn took longer than {self.call_timeout_s:g} s (env.step_timeout_s)", "timeout"
+            ) from None
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            _, episode, body = await self._call(request)
+            reply = await self._turn(episode, body.get("messages"), self._check(body))
         except BadRequest as err:
             return _error(400, str(err), err.param)
-        except TimeoutError:
-            return _error(
-                504,
-                f"the model's turn took longer than {self.call_timeout_s:g} s (env.step_timeout_s)",
-                None,
-                "timeout",
-            )
+        except _Refused as err:
+            return web.Response(status=499) if err.status == 499 else _error(err.status, str(err), None, err.code)
         created, rid = int(time.time()), f"chatcmpl-{secrets.token_hex(12)}"
         logprobs = self._logprobs(episode, reply) if body.get("logprobs") else None
         if body.get("stream"):
@@ -226,6 +290,59 @@ class AgentServer:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API (`rollflow.agent.anthropic`)."""
+        try:
+            _, episode, body = await self._call(request)
+            messages, call = anthropic.chat_call(body, self.model, self.sampling)
+            reply = await self._turn(episode, messages, call)
+        except (BadRequest, _Refused) as err:
+            status = err.status if isinstance(err, _Refused) else 400
+            return (
+                web.Response(status=499)
+                if status == 499
+                else web.json_response(anthropic.error(status, str(err)), status=status)
+            )
+        if not body.get("stream"):
+            return web.json_response(anthropic.message(reply, self.model))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for name, data in anthropic.events(reply, self.model):
+            await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+        await response.write_eof()
+        return response
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API (`rollflow.agent.responses`)."""
+        try:
+            key, episode, body = await self._call(request)
+            messages, call = responses.chat_call(body, self.model, self.sampling, self._earlier(key, body))
+            reply = await self._turn(episode, messages, call)
+        except BadRequest as err:
+            return _error(400, str(err), err.param)
+        except _Refused as err:
+            return web.Response(status=499) if err.status == 499 else _error(err.status, str(err), None, err.code)
+        done = responses.response(reply, body, self.model, self.sampling)
+        self._conversations[done["id"]] = (key, responses.conversation(messages, reply))
+        if not body.get("stream"):
+            return web.json_response(done)
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await stream.prepare(request)
+        for event in responses.events(done):
+            await stream.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+        await stream.write_eof()
+        return stream
+
+    def _earlier(self, key: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The conversation `previous_response_id` ended (a response of this episode), or none."""
+        previous = body.get("previous_response_id")
+        if previous is None:
+            return []
+        stored = self._conversations.get(previous) if isinstance(previous, str) else None
+        if stored is None or stored[0] != key:
+            raise BadRequest(f"no response {previous!r} in this episode", "previous_response_id")
+        return stored[1]
 
 
 def _usage(reply: Reply) -> dict[str, int]:
