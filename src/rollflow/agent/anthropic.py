@@ -25,6 +25,7 @@ import json
 import secrets
 from typing import Any
 
+from rollflow.agent.dialect import check_run_settings, function_tool, positive
 from rollflow.agent.episode import BadRequest, Reply
 from rollflow.records import SamplingSpec
 
@@ -45,22 +46,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 def chat_call(body: dict[str, Any], model: str, sampling: SamplingSpec) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(the request's conversation as chat messages, the call's settings for `AgentEpisode.complete`),
     or `BadRequest` naming the field the run cannot honour."""
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown field {unknown[0]!r} (the Messages API has no such request field)", unknown[0])
-    if body.get("model") != model:
-        raise BadRequest(f"this endpoint serves the model {model!r}, not {body.get('model')!r}", "model")
-    limit = body.get("max_tokens")
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+    check_run_settings(body, model, sampling, fields=FIELDS, api="Messages API")
+    limit = positive(body.get("max_tokens"), "max_tokens")
+    if limit is None:
         raise BadRequest("max_tokens: expected a positive integer (the Messages API requires it)", "max_tokens")
-    for name, ours in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
-        value = body.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or abs(value - ours) > 1e-6):
-            raise BadRequest(
-                f"{name}: this run samples with {name} = {ours} (sampling.{name}); a request cannot change it, "
-                "since training corrects for the distribution the run samples from",
-                name,
-            )
     if body.get("top_k") is not None:
         raise BadRequest("top_k would change the distribution the run samples from", "top_k")
     if body.get("stop_sequences"):
@@ -167,10 +156,7 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
             raise BadRequest(f"{where}: only custom tools (name, input_schema) are supported, not {kind!r}", where)
         if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
             raise BadRequest(f"{where}: a tool needs a name and an input_schema object", where)
-        function = {"name": tool["name"], "parameters": tool["input_schema"]}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
+        out.append(function_tool(tool["name"], tool["input_schema"], tool.get("description")))
     return out or None
 
 

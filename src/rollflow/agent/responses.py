@@ -26,6 +26,7 @@ import secrets
 import time
 from typing import Any
 
+from rollflow.agent.dialect import check_run_settings, function_tool, positive
 from rollflow.agent.episode import BadRequest, Reply
 from rollflow.records import SamplingSpec
 
@@ -47,9 +48,7 @@ def chat_call(
     """(the conversation as chat messages: `earlier`, the conversation of `previous_response_id`,
     then this request's; the call's settings for `AgentEpisode.complete`), or `BadRequest`."""
     _check(body, model, sampling)
-    limit = body.get("max_output_tokens")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0):
-        raise BadRequest("max_output_tokens: expected a positive integer", "max_output_tokens")
+    limit = positive(body.get("max_output_tokens"), "max_output_tokens")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise BadRequest("instructions: expected a string", "instructions")
@@ -63,19 +62,7 @@ def chat_call(
 
 
 def _check(body: dict[str, Any], model: str, sampling: SamplingSpec) -> None:
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown field {unknown[0]!r} (the Responses API has no such request field)", unknown[0])
-    if body.get("model") != model:
-        raise BadRequest(f"this endpoint serves the model {model!r}, not {body.get('model')!r}", "model")
-    for name, ours in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
-        value = body.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or abs(value - ours) > 1e-6):
-            raise BadRequest(
-                f"this run samples with {name} = {ours} (sampling.{name}); a request cannot change it, since "
-                "training corrects for the distribution the run samples from",
-                name,
-            )
+    check_run_settings(body, model, sampling, fields=FIELDS, api="Responses API")
     if body.get("tool_choice") not in (None, "auto", "none"):
         raise BadRequest('tool_choice must be "auto" or "none": a forced call would need constrained decoding',
                          "tool_choice")  # fmt: skip
@@ -145,10 +132,7 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
                              where)  # fmt: skip
         if not isinstance(tool.get("name"), str):
             raise BadRequest(f"{where}: a function tool needs a name", where)
-        function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
-        if tool.get("description"):
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
+        out.append(function_tool(tool["name"], tool.get("parameters"), tool.get("description")))
     return out or None
 
 

@@ -34,6 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from rollflow.agent import anthropic, responses
+from rollflow.agent.dialect import check_run_settings, positive
 from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
 from rollflow.records import SamplingSpec
 
@@ -205,16 +206,7 @@ class AgentServer:
 
     def _check(self, body: dict[str, Any]) -> dict[str, Any]:
         """The call's settings, or `BadRequest` for one the run cannot honour."""
-        if body.get("model") != self.model:
-            raise BadRequest(f"this endpoint serves the model {self.model!r}, not {body.get('model')!r}", "model")
-        for name, ours in (("temperature", self.sampling.temperature), ("top_p", self.sampling.top_p)):
-            value = body.get(name)
-            if value is not None and (not isinstance(value, (int, float)) or abs(value - ours) > 1e-6):
-                raise BadRequest(
-                    f"this run samples with {name} = {ours} (sampling.{name}); a request cannot change it, since "
-                    f"training corrects for the distribution the run samples from",
-                    name,
-                )
+        check_run_settings(body, self.model, self.sampling)
         if body.get("n") not in (None, 1):
             raise BadRequest("n must be 1: each call is one turn of the episode", "n")
         if body.get("stop"):
@@ -234,9 +226,7 @@ class AgentServer:
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise BadRequest("expected a list of tools", "tools")
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0):
-            raise BadRequest("expected a positive integer", "max_completion_tokens")
+        limit = positive(body.get("max_completion_tokens", body.get("max_tokens")), "max_completion_tokens")
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise BadRequest("expected an integer", "seed")
@@ -299,6 +289,8 @@ class AgentServer:
             reply = await self._turn(episode, messages, call)
         except (BadRequest, _Refused) as err:
             status = err.status if isinstance(err, _Refused) else 400
+            if isinstance(err, BadRequest) and err.param and not str(err).startswith(err.param):
+                err = BadRequest(f"{err.param}: {err}", err.param)  # Anthropic's body has no field for it
             return (
                 web.Response(status=499)
                 if status == 499

@@ -1,0 +1,47 @@
+"""What every dialect of the agents' endpoint checks and builds alike: the run's own model and
+sampling (a request cannot change them), its known fields, the chat form of a function tool, a
+positive token budget. The dialects (`rollflow.agent.server`'s chat completions,
+`rollflow.agent.responses`, `rollflow.agent.anthropic`) translate the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from rollflow.agent.episode import BadRequest
+from rollflow.records import SamplingSpec
+
+
+def check_run_settings(
+    body: dict[str, Any], model: str, sampling: SamplingSpec, *, fields: Collection[str] = (), api: str = ""
+) -> None:
+    """`BadRequest` for a field `api` does not have (when `fields` are given), another model, or a
+    temperature or top_p other than the run's (training corrects for the distribution it samples)."""
+    unknown = sorted(set(body) - set(fields)) if fields else []
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r} (the {api} has no such request field)", unknown[0])
+    if body.get("model") != model:
+        raise BadRequest(f"this endpoint serves the model {model!r}, not {body.get('model')!r}", "model")
+    for name, ours in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or abs(value - ours) > 1e-6):
+            raise BadRequest(
+                f"this run samples with {name} = {ours} (sampling.{name}); a request cannot change it, since "
+                "training corrects for the distribution the run samples from",
+                name,
+            )
+
+
+def positive(value: Any, param: str) -> int | None:
+    """A token budget: None, or a positive integer (`BadRequest` otherwise)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise BadRequest("expected a positive integer", param)
+    return value
+
+
+def function_tool(name: str, parameters: Any, description: Any = None) -> dict[str, Any]:
+    """A tool in the chat form the chat template reads."""
+    function: dict[str, Any] = {"name": name, "parameters": parameters or {"type": "object"}}
+    if description:
+        function["description"] = description
+    return {"type": "function", "function": function}
