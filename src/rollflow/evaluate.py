@@ -23,7 +23,7 @@ import msgspec
 
 from rollflow.config import CONTEXT_CAP, Config
 from rollflow.engine import Engine
-from rollflow.errors import RequestRefused, UnusablePrompt, UserInputError
+from rollflow.errors import ConfigError, RequestRefused, UnusablePrompt, UserInputError
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout, unusable
 from rollflow.scoring import Scored, Scorer, eval_scorer
@@ -89,8 +89,6 @@ class HeldOutEpisodes:
 def split_held_out(rows: list[Row], n: int, name: str) -> tuple[list[Row], list[Row]]:
     """(the rows to train, the last `n`, held out for evaluation); ConfigError when `n` leaves
     nothing to train."""
-    from rollflow.errors import ConfigError
-
     if n >= len(rows):
         raise ConfigError(
             f"run.eval_prompts: {name} brings {len(rows)} prompts; holding out {n} for evaluation leaves none "

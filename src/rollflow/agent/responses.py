@@ -21,7 +21,6 @@ does not serve (`rollflow.agent.server`) or record (`rollflow.agent.episode`).
 from __future__ import annotations
 
 import copy
-import json
 import secrets
 import time
 from typing import Any
@@ -72,7 +71,7 @@ def _check(body: dict[str, Any], model: str, sampling: SamplingSpec) -> None:
     if form not in (None, {"type": "text"}):
         raise BadRequest("text.format: only plain text; structured output would need constrained decoding", "text")
     reasoning = body.get("reasoning")
-    if reasoning and any(v is not None for v in (reasoning.values() if isinstance(reasoning, dict) else [1])):
+    if reasoning and not (isinstance(reasoning, dict) and all(v is None for v in reasoning.values())):
         raise BadRequest("reasoning settings are not supported (the run's sampling decides the turn)", "reasoning")
 
 
@@ -226,5 +225,5 @@ def conversation(messages: list[dict[str, Any]], reply: Reply) -> list[dict[str,
     """The call's conversation with the reply appended, as a later `previous_response_id` continues it."""
     answer: dict[str, Any] = {"role": "assistant", "content": reply.content}
     if reply.tool_calls:
-        answer["tool_calls"] = json.loads(json.dumps(reply.tool_calls))
+        answer["tool_calls"] = copy.deepcopy(reply.tool_calls)
     return [*messages, answer]

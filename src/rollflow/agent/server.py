@@ -76,8 +76,8 @@ class AgentServer:
         """api key -> episode id"""
         self._secrets: dict[str, str] = {}
         """episode id -> its api key"""
-        self._conversations: dict[str, tuple[str, list[dict[str, Any]]]] = {}
-        """Responses API: response id -> (its episode, the conversation it ended), until the episode ends."""
+        self._conversations: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        """Responses API: episode id -> response id -> the conversation it ended, until the episode ends."""
         self._runner: web.AppRunner | None = None
         self.requests = 0
 
@@ -123,8 +123,7 @@ class AgentServer:
         """The episode has ended: its URL answers 404 and its key 401 from now on."""
         self._episodes.pop(key, None)
         self._keys.pop(self._secrets.pop(key, ""), None)
-        for rid in [rid for rid, (episode, _) in self._conversations.items() if episode == key]:
-            del self._conversations[rid]
+        self._conversations.pop(key, None)
 
     # ---- routes ------------------------------------------------------------------------------
 
@@ -180,10 +179,8 @@ class AgentServer:
         try:
             _, episode, body = await self._call(request)
             reply = await self._turn(episode, body.get("messages"), self._check(body))
-        except BadRequest as err:
-            return _error(400, str(err), err.param)
-        except _Refused as err:
-            return web.Response(status=499) if err.status == 499 else _error(err.status, str(err), None, err.code)
+        except (BadRequest, _Refused) as err:
+            return _openai_error(err)
         created, rid = int(time.time()), f"chatcmpl-{secrets.token_hex(12)}"
         logprobs = self._logprobs(episode, reply) if body.get("logprobs") else None
         if body.get("stream"):
@@ -288,22 +285,10 @@ class AgentServer:
             messages, call = anthropic.chat_call(body, self.model, self.sampling)
             reply = await self._turn(episode, messages, call)
         except (BadRequest, _Refused) as err:
-            status = err.status if isinstance(err, _Refused) else 400
-            if isinstance(err, BadRequest) and err.param and not str(err).startswith(err.param):
-                err = BadRequest(f"{err.param}: {err}", err.param)  # Anthropic's body has no field for it
-            return (
-                web.Response(status=499)
-                if status == 499
-                else web.json_response(anthropic.error(status, str(err)), status=status)
-            )
+            return _anthropic_error(err)
         if not body.get("stream"):
             return web.json_response(anthropic.message(reply, self.model))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        for name, data in anthropic.events(reply, self.model):
-            await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
-        await response.write_eof()
-        return response
+        return await _events(request, anthropic.events(reply, self.model))
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API (`rollflow.agent.responses`)."""
@@ -311,30 +296,55 @@ class AgentServer:
             key, episode, body = await self._call(request)
             messages, call = responses.chat_call(body, self.model, self.sampling, self._earlier(key, body))
             reply = await self._turn(episode, messages, call)
-        except BadRequest as err:
-            return _error(400, str(err), err.param)
-        except _Refused as err:
-            return web.Response(status=499) if err.status == 499 else _error(err.status, str(err), None, err.code)
+        except (BadRequest, _Refused) as err:
+            return _openai_error(err)
         done = responses.response(reply, body, self.model, self.sampling)
-        self._conversations[done["id"]] = (key, responses.conversation(messages, reply))
+        if key in self._episodes:  # (an episode that ended meanwhile keeps nothing)
+            self._conversations.setdefault(key, {})[done["id"]] = responses.conversation(messages, reply)
         if not body.get("stream"):
             return web.json_response(done)
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await stream.prepare(request)
-        for event in responses.events(done):
-            await stream.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
-        await stream.write_eof()
-        return stream
+        return await _events(request, [(event["type"], event) for event in responses.events(done)])
 
     def _earlier(self, key: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         """The conversation `previous_response_id` ended (a response of this episode), or none."""
         previous = body.get("previous_response_id")
         if previous is None:
             return []
-        stored = self._conversations.get(previous) if isinstance(previous, str) else None
-        if stored is None or stored[0] != key:
+        stored = self._conversations.get(key, {}).get(previous) if isinstance(previous, str) else None
+        if stored is None:
             raise BadRequest(f"no response {previous!r} in this episode", "previous_response_id")
-        return stored[1]
+        return stored
+
+
+async def _events(request: web.Request, events: list[tuple[str, dict[str, Any]]]) -> web.StreamResponse:
+    """A dialect's named server-sent events (Responses, Messages), sent in one go: the turn is recorded."""
+    stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await stream.prepare(request)
+    for name, data in events:
+        await stream.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+    await stream.write_eof()
+    return stream
+
+
+def _openai_error(err: BadRequest | _Refused) -> web.StreamResponse:
+    """A refused call in OpenAI's error shape (chat completions, Responses)."""
+    if isinstance(err, BadRequest):
+        return _error(400, str(err), err.param)
+    if err.status == 499:  # the agent went away: nobody reads an answer
+        return web.Response(status=499)
+    return _error(err.status, str(err), None, err.code)
+
+
+def _anthropic_error(err: BadRequest | _Refused) -> web.StreamResponse:
+    """A refused call in Anthropic's error shape, whose body has no field for the parameter: the
+    message names it."""
+    if isinstance(err, _Refused) and err.status == 499:
+        return web.Response(status=499)
+    status = err.status if isinstance(err, _Refused) else 400
+    text = str(err)
+    if isinstance(err, BadRequest) and err.param and not text.startswith(err.param):
+        text = f"{err.param}: {text}"
+    return web.json_response(anthropic.error(status, text), status=status)
 
 
 def _usage(reply: Reply) -> dict[str, int]:

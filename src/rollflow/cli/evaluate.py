@@ -45,12 +45,13 @@ async def _eval(args: argparse.Namespace) -> int:
         raise UserInputError(f"--pass-k: expected 0 or more samples per prompt, got {args.pass_k}")
     console = Console(stderr=True)
     config = model_config(args)
-    check_task(config)
     plan = None
-    if config.env is not None:
+    if config.env is None:
+        check_task(config)
+    else:
         from rollflow.controller.setup import prepare
 
-        plan = prepare(config)  # the source of episodes and the run's rewards
+        plan = prepare(config)  # the task checked, the source of episodes and the run's rewards
     episodes = None
     try:
         if plan is not None and plan.episodes is not None:

@@ -63,8 +63,9 @@ def _v1() -> Any:
     return vf
 
 
-def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> tuple[Any, list[Any]]:
-    """(the taskset, its tasks), checked: ConfigError naming what cannot be trained here."""
+def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> list[Any]:
+    """The taskset's tasks (its first `max_tasks`, 0: all), checked: ConfigError naming what cannot
+    be trained here."""
     vf = _v1()
     from pydantic import ValidationError
     from verifiers.v1.utils import loaders
@@ -93,15 +94,14 @@ def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> tuple
         raise ConfigError(f"env.taskset_args: not a valid {config_type.__name__}: {err}") from None
     _check_trainable(vf, taskset_id, cls, config, env_cls, max_tasks)
     try:
-        taskset = cls(config)
-        tasks = list(itertools.islice(taskset, max_tasks or None))
+        tasks = list(itertools.islice(cls(config), max_tasks or None))
     except SystemExit as err:
         raise ConfigError(f"env.taskset: loading {taskset_id!r} called sys.exit({err.code!r})") from None
     except Exception as err:
         raise ConfigError(f"env.taskset: loading {taskset_id!r}'s tasks raised {type(err).__name__}: {err}") from None
     if not tasks:
         raise DataError(f"env.taskset: {taskset_id!r} has no tasks")
-    return taskset, tasks
+    return tasks
 
 
 def _check_trainable(vf: Any, taskset_id: str, cls: Any, config: Any, env_cls: Any, max_tasks: int) -> None:
@@ -209,7 +209,7 @@ class TasksetEpisodes(EpisodeSource):
         self.settings = settings
         self.model = model
         self.name = settings.taskset
-        _, tasks = load_taskset(settings.taskset, settings.taskset_args, settings.max_tasks)
+        tasks = load_taskset(settings.taskset, settings.taskset_args, settings.max_tasks)
         self.tasks: dict[str, Any] = {}
         """task key -> task"""
         self._rows: list[Row] = []
