@@ -79,6 +79,7 @@ def build_batch(
     parts: dict[str, list[float]] = {}
     measured: dict[str, list[float]] = {}
     unscorable: dict[str, int] = {}
+    budget_ends: dict[str, int] = {}
     for group in groups:
         # Baseline of the reverse-KL term: its mean over the group's tokens (lowers the variance).
         gaps = [
@@ -90,6 +91,8 @@ def build_batch(
         baseline = sum(gaps) / len(gaps) if gaps else 0.0
         extras = group.token_advantages or [None] * len(group.samples)
         for sample, advantage, extra in zip(group.samples, group.advantages, extras, strict=True):
+            if sample.budget is not None:
+                budget_ends[sample.budget] = budget_ends.get(sample.budget, 0) + 1
             if sample.reward is None:
                 reason = sample.unscorable or "unknown"
                 unscorable[reason] = unscorable.get(reason, 0) + 1
@@ -133,6 +136,7 @@ def build_batch(
         "reward_std": std,
         "rewards": {name: dict(zip(("mean", "std"), _mean_std(values), strict=True)) for name, values in parts.items()},
         "env_metrics": {name: sum(values) / len(values) for name, values in measured.items()},
+        "budget_ends": budget_ends,
         "samples": len(samples),
         "tokens": sum(s.num_completion for s in samples),
         "turns_mean": sum(turns) / len(turns) if turns else 0.0,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rollflow.config import CONTEXT_CAP, Config, OpenEnvConfig, VerifiersEnvConfig
+from rollflow.config import CONTEXT_CAP, Config, EndpointConfig, OpenEnvConfig, VerifiersEnvConfig
 from rollflow.errors import ConfigError
 from rollflow.tasks import Task, parse_task
 
@@ -198,4 +198,9 @@ def episode_problems(config: Config) -> list[str]:
         )
     if isinstance(env, VerifiersEnvConfig) and config.data.paths:
         problems.append("data.paths: a verifiers environment brings its own dataset; remove data.paths")
+    if isinstance(env, EndpointConfig) and env.time_budget_s >= env.episode_timeout_s:
+        problems.append(
+            f"env.time_budget_s: {env.time_budget_s:g} s is not below env.episode_timeout_s "
+            f"({env.episode_timeout_s:g} s), which ends the episode unscorable first; lower it or raise the timeout"
+        )
     return problems

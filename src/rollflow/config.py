@@ -252,6 +252,16 @@ class EndpointConfig(EpisodeConfig, frozen=True):
     episode_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 600.0
     """An episode still running after this is ended, unscorable."""
 
+    max_model_tokens: NonNegInt = 0
+    """The model's tokens per episode at most, over all its turns and every sequence of it (an agent
+    that rewrites its history starts a new sequence, which `max_tokens` bounds afresh); 0: no such
+    budget. A call past it gets an empty reply with the dialect's stop reason, as past `max_turns`."""
+
+    time_budget_s: NonNegFloat = 0.0
+    """Wall time per episode after which its calls get an empty reply with the dialect's stop reason
+    (0: none), so the agent can finish and be scored; a turn already running completes. Below
+    `episode_timeout_s`, which ends an episode unscorable."""
+
     host: str = "127.0.0.1"
     """The address the endpoint listens on."""
 

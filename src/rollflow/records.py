@@ -97,6 +97,10 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     env_metrics: dict[str, float] = {}
     """What the environment measured of the episode besides its reward (a verifiers task's
     `@vf.metric`s and each `@vf.reward`'s own score), averaged per step into `env_metrics`."""
+    budget: str | None = None
+    """The episode budget that refused a call or cut a turn short: `turns` (`env.max_turns`), `tokens`
+    (`env.max_tokens` or the context), `model_tokens` (`env.max_model_tokens`) or `time`
+    (`env.time_budget_s`); None when none did. Counted per step in `budget_ends`."""
 
     @property
     def num_tokens(self) -> int:

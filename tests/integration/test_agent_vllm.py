@@ -5,6 +5,7 @@ two calls; and a short training run of agents, some of which fail."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import openai
@@ -16,7 +17,7 @@ from rollflow.controller.setup import Given
 from rollflow.envs import ChatFormat, EpisodeLimits
 from rollflow.models import load_tokenizer, tiny_model_path
 from rollflow.records import Message, Prompt, SamplingSpec
-from rollflow.rollout import rollout
+from rollflow.rollout import Progress, rollout
 
 pytestmark = pytest.mark.integration
 
@@ -147,6 +148,99 @@ async def test_a_streamed_call_in_each_dialect_is_recorded_with_exact_versions_a
         assert tokens == turn.num_tokens and ended == cut
     assert sample.versions == [version] * (n0 + len(between)) + [version + 1] * n1
     assert turn1.completion_token_ids == model_b.greedy(context1, n1)[0]
+
+
+async def streamed_long_turn(dialect: str, task, base_url: str) -> tuple[str, list[float] | None, int, str]:
+    """One streamed call of 160 tokens in `dialect` with the official client: (the text it
+    assembled from the events, the log-probs they carried (None: the dialect has none), the output
+    tokens it was told, how the turn ended)."""
+    history = [{"role": "user", "content": task.prompt}]
+    if dialect == "anthropic":
+        import anthropic
+
+        claude = anthropic.AsyncAnthropic(base_url=task.endpoint, api_key=task.api_key, max_retries=0)
+        async with claude, claude.messages.stream(model=task.model, max_tokens=160, messages=history) as stream:
+            reply = await stream.get_final_message()
+        return "".join(b.text for b in reply.content if b.type == "text"), None, reply.usage.output_tokens, \
+            reply.stop_reason
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    text, logprobs, tokens, ended = "", [], 0, ""
+    async with client:
+        if dialect == "chat":
+            stream = await client.chat.completions.create(model=task.model, messages=history, stream=True,
+                                                          logprobs=True, stream_options={"include_usage": True})
+            async for chunk in stream:
+                if chunk.usage:
+                    tokens = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                    logprobs += [t.logprob for t in (choice.logprobs.content if choice.logprobs else None) or []]
+                    ended = choice.finish_reason or ended
+            return text, logprobs, tokens, ended
+        async with client.responses.stream(model=task.model, input=history, store=False,
+                                           include=["message.output_text.logprobs"]) as events:
+            async for event in events:
+                if event.type == "response.output_text.delta":
+                    text += event.delta
+                    logprobs += [t.logprob for t in event.logprobs]
+                elif event.type in ("response.completed", "response.incomplete"):
+                    done = event.response
+    return text, logprobs, done.usage.output_tokens, done.status
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dialect", "cut"), [("chat", "length"), ("responses", "incomplete"),
+                                              ("anthropic", "max_tokens")])
+async def test_an_update_in_the_middle_of_a_streamed_turn_is_recorded_exactly_in_each_dialect(
+    engine_on_a, model_a, model_b, dialect, cut
+):
+    """New weights land while a streamed turn is being generated (after its fourth token): the
+    turn is model A's greedy tokens up to the update and model B's from that prefix on, each
+    labelled with the version that computed it, and what the client assembled from the stream (its
+    text, its log-probs where the dialect has them, its token count) is exactly what was recorded."""
+    engine = engine_on_a
+    chat = ChatFormat(load_tokenizer(tiny_model_path(0)))
+    spec = SamplingSpec(temperature=0.0, max_tokens=160, ignore_eos=True)
+    server = AgentServer("tiny", spec)
+    await server.start()
+    turns, received = [], []
+
+    async def generate(token_ids, spec, n):
+        progress = Progress()
+        prompt = Prompt(id="ep", token_ids=token_ids)
+        running = asyncio.create_task(rollout(engine, prompt, spec, group_id=f"ep/t{n}", index=0, progress=progress))
+        while len(progress.snapshot(engine).tokens) < 4:  # tokens, not time: mid-turn on any machine
+            assert not running.done(), "the turn finished before the update; make it longer"
+            await asyncio.sleep(0.002)
+        await engine.update_weights(model_b.state_dict())
+        sample = await running
+        turns.append((list(token_ids), sample))
+        return sample
+
+    async def agent(task, base_url):
+        received.append(await streamed_long_turn(dialect, task, base_url))
+        return 1.0
+
+    prompt = Prompt(id="ep", token_ids=[], messages=[Message(role="user", content="Count to twenty.")])
+    v = engine.version
+    try:
+        episode = AgentEpisode(prompt, spec, generate, chat, EpisodeLimits(max_turns=1, max_tokens=400))
+        sample = await run_agent(agent, episode, server, group_id="ep", index=0, timeout_s=120)
+    finally:
+        await server.aclose()
+    assert sample.unscorable is None and sample.turns == 1
+    ((context, turn),) = turns
+    (text, logprobs, count, ended) = received[0]
+    n = turn.num_tokens
+    assert sample.completion_token_ids == turn.completion_token_ids and sample.logprobs == turn.logprobs
+    k = sample.versions.index(v + 1)
+    assert 0 < k < n and sample.versions == [v] * k + [v + 1] * (n - k)
+    tokens = sample.completion_token_ids
+    assert tokens[:k] == model_a.greedy(context, k)[0]
+    assert tokens[k:] == model_b.greedy(context + tokens[:k], n - k)[0]
+    assert text == chat.tokenizer.decode(tokens, skip_special_tokens=True) and count == n and ended == cut
+    if logprobs is not None:
+        assert logprobs == sample.logprobs
 
 
 @pytest.mark.timeout(600)

@@ -169,8 +169,14 @@ async def test_concurrent_episodes_stay_separate(chat, agent_server):
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 0.2}, 400, "temperature",
          "samples with temperature = 1.0"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n", "n must be 1"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, 400, "stop",
-         "stop sequences"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["\n", ""]}, 400, "stop",
+         "non-empty string"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temprature": 0.5}, 400, "temprature",
+         "unknown field 'temprature' (the chat completions API has no such request field)"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "functions": []}, 400, "functions",
+         "send tools"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1.2}, 400,
+         "repetition_penalty", "would change the distribution"),
         ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "unknown role"),
         ({"model": "tiny", "messages": []}, 400, "messages", "non-empty list"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
@@ -251,12 +257,13 @@ async def test_the_episode_budget_ends_turns_with_length(chat, agent_server):
     async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
         one = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}],
                                                    max_tokens=5)
-        assert one.choices[0].finish_reason == "stop" and one.usage.completion_tokens == 5
+        # cut at the call's own max_tokens: the call's budget, not the episode's
+        assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 5 and ep.budget is None
         follow = [{"role": "user", "content": "go"}, one.choices[0].message.model_dump(exclude_none=True),
                   {"role": "user", "content": "a much longer message that does not fit in what is left"}]
         two = await client.chat.completions.create(model="tiny", messages=follow)
     assert two.choices[0].finish_reason == "length" and two.choices[0].message.content == ""
-    assert len(script.seen) == 1 and len(ep.current.tokens) <= 12
+    assert len(script.seen) == 1 and len(ep.current.tokens) <= 12 and ep.budget == "tokens"
 
 
 async def test_a_run_of_agents_labels_every_token_with_the_version_that_computed_it(tmp_path, record_groups):

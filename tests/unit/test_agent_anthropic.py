@@ -107,7 +107,7 @@ async def test_a_history_that_does_not_extend_the_episode_starts_a_new_segment(c
 @pytest.mark.parametrize(("change", "words"), [
     ({"extra_body": {"temperature": 0.2}}, "temperature: this run samples with temperature = 1.0"),
     ({"extra_body": {"top_k": 5}}, "top_k would change the distribution"),
-    ({"stop_sequences": ["\n"]}, "stop_sequences are not supported"),
+    ({"stop_sequences": ["\n", 5]}, "stop_sequences: expected a non-empty string or a list of them"),
     ({"tool_choice": {"type": "any"}, "tools": TOOLS}, "a forced call would need constrained decoding"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "extended thinking is not supported"),
     ({"model": "claude-opus"}, "serves the model 'tiny', not 'claude-opus'"),

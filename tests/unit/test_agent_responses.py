@@ -164,3 +164,22 @@ async def test_the_runs_one_url_serves_responses_by_the_episodes_key(chat, agent
                                   max_retries=0) as client:
         reply = await client.responses.create(model="tiny", input="hi")
     assert reply.output_text == "by key" and ep.calls == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_include_logprobs_gives_every_token_of_the_turn_as_recorded(chat, agent_server, stream):
+    ep, _ = episode(chat, ["The answer is 5."])
+    key, url = agent_server.open(ep)
+    request = {"model": "tiny", "input": "What is 2 + 3?", "include": ["message.output_text.logprobs"]}
+    async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+        if stream:
+            async with client.responses.stream(**request) as events:
+                deltas = [e.logprobs async for e in events if e.type == "response.output_text.delta"]
+                reply = await events.get_final_response()
+            assert [t.logprob for t in deltas[0]] == ep.current.logprobs
+        else:
+            reply = await client.responses.create(**request)
+    agent_server.close(key)
+    returned = reply.output[0].content[0].logprobs
+    assert [t.logprob for t in returned] == ep.current.logprobs == [-0.1 * i for i in range(len(ep.current.tokens))]
+    assert "".join(t.token for t in returned) == chat.tokenizer.decode(ep.current.tokens)

@@ -118,6 +118,8 @@ def test_the_cli_refuses_greedy_training_with_exit_code_2(tmp_path, capsys, monk
         (['env.kind="openenv"', 'env.client="m:C"'], r"env.url: kind = \"openenv\" needs the server's address"),
         (['env.kind="verifiers"', 'env.environment="vf-sums"', 'data.paths=["a.jsonl"]', "data.task=jsonl"],
          r"data.paths: a verifiers environment"),
+        (['env.kind="agent"', 'env.function="m:f"', "env.time_budget_s=60", "env.episode_timeout_s=60"],
+         r"env.time_budget_s: 60 s is not below env.episode_timeout_s \(60 s\)"),
     ],
 )
 def test_combinations_that_cannot_work_are_refused_for_training_naming_the_keys(tmp_path, overrides, words):

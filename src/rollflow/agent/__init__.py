@@ -149,7 +149,8 @@ class AgentEpisodes(EpisodeSource):
     async def play(
         self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
     ) -> Sample:
-        limits = context.limits(self.settings)
+        budgets = {"max_model_tokens": self.settings.max_model_tokens, "time_budget_s": self.settings.time_budget_s}
+        limits = msgspec.structs.replace(context.limits(self.settings), **budgets)
         episode = AgentEpisode(prompt, context.sampling, generate, context.chat, limits)
         return await run_agent(
             self.agent, episode, self.server, group_id=group_id, index=index, timeout_s=self.settings.episode_timeout_s

@@ -6,17 +6,18 @@ request is translated into the chat form the episode records (`system` -> a syst
 blocks -> text, `tool_use` blocks -> an assistant's tool calls, `tool_result` blocks -> tool
 messages, `tools`' `input_schema` -> function parameters), and the model's turn is answered as a
 `message` with `text` and `tool_use` blocks and Anthropic's `stop_reason` (`end_turn`,
-`max_tokens`, `tool_use`). A history the client sends back extends the episode's tokens exactly
-when it holds the earlier replies as they were returned; otherwise the episode starts a new
-segment, as for chat completions (`rollflow.agent.episode`).
+`max_tokens`, `tool_use`, and `stop_sequence` for one of the request's `stop_sequences`). A
+history the client sends back extends the episode's tokens exactly when it holds the earlier
+replies as they were returned; otherwise the episode starts a new segment, as for chat
+completions (`rollflow.agent.episode`).
 
 `stream: true` is answered with the Messages event stream (`message_start`,
 `content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`), sent once the turn
 has been generated and recorded (the server's rule for every dialect). What the run cannot
-honour (another model, a sampling setting other than the run's, `top_k`, stop sequences, a forced
-tool choice, extended thinking, server tools, images, an unknown field) is a 400 in Anthropic's
-error shape (`{"type": "error", "error": {"type", "message"}}`) naming the field. This module
-translates; it does not serve (`rollflow.agent.server`) or record (`rollflow.agent.episode`).
+honour (another model, a sampling setting other than the run's, `top_k`, a forced tool choice,
+extended thinking, server tools, images, an unknown field) is a 400 in Anthropic's error shape
+(`{"type": "error", "error": {"type", "message"}}`) naming the field. This module translates; it
+does not serve (`rollflow.agent.server`) or record (`rollflow.agent.episode`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import json
 import secrets
 from typing import Any
 
-from rollflow.agent.dialect import check_run_settings, function_tool, positive
+from rollflow.agent.dialect import check_run_settings, function_tool, positive, stop_sequences
 from rollflow.agent.episode import BadRequest, Reply
 from rollflow.records import SamplingSpec
 
@@ -52,9 +53,6 @@ def chat_call(body: dict[str, Any], model: str, sampling: SamplingSpec) -> tuple
         raise BadRequest("max_tokens: expected a positive integer (the Messages API requires it)", "max_tokens")
     if body.get("top_k") is not None:
         raise BadRequest("top_k would change the distribution the run samples from", "top_k")
-    if body.get("stop_sequences"):
-        raise BadRequest("stop_sequences are not supported: the run's sampling ends turns at end of sequence",
-                         "stop_sequences")  # fmt: skip
     thinking = body.get("thinking")
     if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
         raise BadRequest("thinking: extended thinking is not supported (the run's sampling decides the turn)",
@@ -65,7 +63,13 @@ def chat_call(body: dict[str, Any], model: str, sampling: SamplingSpec) -> tuple
         raise BadRequest('tool_choice: "auto" or "none" only; a forced call would need constrained decoding',
                          "tool_choice")  # fmt: skip
     messages = _system(body.get("system")) + _conversation(body.get("messages"))
-    settings = {"tools": _tools(body.get("tools")), "max_tokens": limit, "seed": None, "parse_tools": kind != "none"}
+    settings = {
+        "tools": _tools(body.get("tools")),
+        "max_tokens": limit,
+        "seed": None,
+        "parse_tools": kind != "none",
+        "stop": stop_sequences(body.get("stop_sequences"), "stop_sequences"),
+    }
     return messages, settings
 
 
@@ -178,8 +182,8 @@ def message(reply: Reply, model: str) -> dict[str, Any]:
         "role": "assistant",
         "model": model,
         "content": blocks(reply),
-        "stop_reason": STOP_REASONS.get(reply.finish_reason, "end_turn"),
-        "stop_sequence": None,
+        "stop_reason": "stop_sequence" if reply.stop_sequence else STOP_REASONS.get(reply.finish_reason, "end_turn"),
+        "stop_sequence": reply.stop_sequence,
         "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": len(reply.token_ids)},
     }
 
@@ -205,7 +209,7 @@ def events(reply: Reply, model: str) -> list[tuple[str, dict[str, Any]]]:
         ]
     out += [
         ("message_delta", {"type": "message_delta", "delta": {"stop_reason": done["stop_reason"],
-                                                              "stop_sequence": None},
+                                                              "stop_sequence": done["stop_sequence"]},
                            "usage": {"output_tokens": len(reply.token_ids)}}),
         ("message_stop", {"type": "message_stop"}),
     ]  # fmt: skip

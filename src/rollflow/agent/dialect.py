@@ -39,6 +39,17 @@ def positive(value: Any, param: str) -> int | None:
     return value
 
 
+def stop_sequences(value: Any, param: str) -> list[str]:
+    """Stop sequences: a string, a list of non-empty strings, or nothing (`BadRequest` otherwise)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise BadRequest("expected a non-empty string or a list of them", param)
+    return value
+
+
 def function_tool(name: str, parameters: Any, description: Any = None) -> dict[str, Any]:
     """A tool in the chat form the chat template reads."""
     function: dict[str, Any] = {"name": name, "parameters": parameters or {"type": "object"}}

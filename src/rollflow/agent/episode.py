@@ -11,6 +11,13 @@ so far, the model's replies as they were returned (same text, same tool calls). 
 message dropped or edited, a reply replaced, the tools changed) rewrites history: the conversation
 so far is closed as a segment and the call starts a new one. The episode's sample is its last
 conversation, with the earlier ones as its `segments` (trained with the same reward and advantage).
+
+Budgets (`EpisodeLimits`): turns, the sequence's tokens, the model's tokens over the whole episode
+and wall time. A call that finds one spent generates nothing and gets an empty reply ending in
+`length` (each dialect's own stop reason); a turn that the episode's tokens cut short ends in
+`length` too. The first budget that did either is the episode's `Sample.budget`. Stop sequences
+are applied to the turn as sampled: it stands up to the token that completes the first one, and
+the reply's text ends before it.
 This module does not serve HTTP (`rollflow.agent.server`) or run the agent (`rollflow.agent`).
 """
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +58,8 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int] = []
     logprobs: list[float] = []
     prompt_tokens: int = 0
+    stop_sequence: str | None = None
+    """The stop sequence that ended the turn (its text ends before it)."""
 
 
 @dataclass(eq=False)
@@ -155,6 +165,11 @@ class AgentEpisode:
         self.calls = 0
         """Model turns generated."""
         self.interruptions = 0
+        self.model_tokens = 0
+        """Tokens the model generated in the episode, every sequence of it."""
+        self.budget: str | None = None
+        """The first budget that refused a call or cut a turn short (`BUDGETS`), if any."""
+        self.started = time.monotonic()
         self.ended = False
         """The episode's sample has been taken: later calls are refused and change nothing."""
         self._lock = asyncio.Lock()
@@ -167,6 +182,7 @@ class AgentEpisode:
         max_tokens: int | None = None,
         seed: int | None = None,
         parse_tools: bool = True,
+        stop: list[str] | None = None,
     ) -> Reply:
         """Answer one chat call with the model's next turn (raises `BadRequest`)."""
         if not isinstance(messages, list) or not messages:
@@ -174,35 +190,89 @@ class AgentEpisode:
         keys = [json.dumps(tools or [], sort_keys=True), *(message_key(m, i) for i, m in enumerate(messages))]
         async with self._lock:
             self._refuse_if_ended()
-            if self.calls >= self.limits.max_turns:
-                return Reply(content="", finish_reason="length")
+            spent = self._spent()
+            if spent is not None:
+                return self._out_of(spent)
             conv = self._continue(keys, tools)
             if conv is None:
-                return Reply(content="", finish_reason="length")
-            room = min(
-                self.limits.max_tokens - len(conv.tokens),
-                self.limits.max_model_len - len(conv.opening) - len(conv.tokens),
-            )
-            budget = min(max_tokens or self.sampling.max_tokens, self.sampling.max_tokens, room)
-            if budget <= 0:
-                return Reply(content="", finish_reason="length")
-            spec = msgspec.structs.replace(self.sampling, max_tokens=budget, seed=seed)
+                return self._out_of("tokens")
+            left, which = self._left(conv)
+            asked = min(max_tokens or self.sampling.max_tokens, self.sampling.max_tokens)
+            if min(asked, left) <= 0:
+                return self._out_of(which)
+            spec = msgspec.structs.replace(self.sampling, max_tokens=min(asked, left), seed=seed)
             turn = await self.generate(conv.opening + conv.tokens, spec, self.calls)
             self._refuse_if_ended()  # the episode ended while its turn was generated: the turn is not its
+            n, text, matched = self._cut(turn.completion_token_ids, stop or [])
+            finish = "stop" if matched is not None else turn.finish_reason
+            if finish == "length" and left < asked:  # the episode's budget, not the call's, cut the turn
+                self.budget = self.budget or which
             self.calls += 1
+            self.model_tokens += n
             self.interruptions += turn.interruptions
-            conv.tokens += turn.completion_token_ids
-            conv.logprobs += turn.logprobs
-            conv.versions += turn.versions
-            conv.mask += [1] * turn.num_tokens
-            conv.finish_reason = turn.finish_reason
-            raw = self.chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=False)
+            token_ids, logprobs = turn.completion_token_ids[:n], turn.logprobs[:n]
+            conv.tokens += token_ids
+            conv.logprobs += logprobs
+            conv.versions += turn.versions[:n]
+            conv.mask += [1] * n
+            conv.finish_reason = finish
+            raw = self.chat.tokenizer.decode(token_ids, skip_special_tokens=False)
             conv.rendered += raw
             conv.canonical.append(Message(role="assistant", content=self.chat.assistant_content(raw)))
-            reply = self._reply(turn.completion_token_ids, turn.logprobs, turn.finish_reason, parse_tools)
+            reply = self._reply(text, token_ids, logprobs, finish, parse_tools)
             returned = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
             conv.keys.append(message_key(returned, len(conv.keys)))
-            return msgspec.structs.replace(reply, prompt_tokens=len(conv.opening) + len(conv.tokens) - turn.num_tokens)
+            return msgspec.structs.replace(
+                reply, prompt_tokens=len(conv.opening) + len(conv.tokens) - n, stop_sequence=matched
+            )
+
+    def _spent(self) -> str | None:
+        """The budget that leaves no turn to this call, checked before it (None: there is room)."""
+        limits = self.limits
+        if self.calls >= limits.max_turns:
+            return "turns"
+        if limits.max_model_tokens and self.model_tokens >= limits.max_model_tokens:
+            return "model_tokens"
+        if limits.time_budget_s and time.monotonic() - self.started >= limits.time_budget_s:
+            return "time"
+        return None
+
+    def _left(self, conv: Conversation) -> tuple[int, str]:
+        """(the tokens the episode leaves this turn, the budget that sets it)."""
+        limits = self.limits
+        room = min(limits.max_tokens - len(conv.tokens), limits.max_model_len - len(conv.opening) - len(conv.tokens))
+        if limits.max_model_tokens and limits.max_model_tokens - self.model_tokens < room:
+            return limits.max_model_tokens - self.model_tokens, "model_tokens"
+        return room, "tokens"
+
+    def _out_of(self, budget: str) -> Reply:
+        """The answer to a call that finds `budget` spent: no turn, the stop reason `length`."""
+        self.budget = self.budget or budget
+        return Reply(content="", finish_reason="length")
+
+    def _cut(self, token_ids: list[int], stop: list[str]) -> tuple[int, str, str | None]:
+        """(the turn's tokens that stand, the reply's text, the stop sequence that cut it): with stop
+        sequences, the shortest run of tokens whose text holds one, the text ending before it."""
+
+        def text(n: int) -> str:
+            return self.chat.tokenizer.decode(token_ids[:n], skip_special_tokens=True)
+
+        def found(n: int) -> str | None:
+            t = text(n)
+            hits = [(t.find(s), s) for s in stop if s in t]
+            return min(hits)[1] if hits else None
+
+        whole = text(len(token_ids))
+        if not any(s in whole for s in stop):
+            return len(token_ids), whole, None
+        lo, hi = 1, len(token_ids)  # a token's text only grows its prefix's: bisect for the first hit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if found(mid) is not None else (mid + 1, hi)
+        matched = found(lo)
+        assert matched is not None
+        kept = text(lo)
+        return lo, kept[: kept.find(matched)], matched
 
     def _refuse_if_ended(self) -> None:
         if self.ended:
@@ -245,8 +315,9 @@ class AgentEpisode:
         self.current = Conversation(keys=list(keys), canonical=messages, rendered=rendered, opening=opening)
         return self.current
 
-    def _reply(self, token_ids: list[int], logprobs: list[float], finish_reason: str, parse_tools: bool) -> Reply:
-        text = self.chat.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def _reply(
+        self, text: str, token_ids: list[int], logprobs: list[float], finish_reason: str, parse_tools: bool
+    ) -> Reply:
         calls, _ = parse_tool_calls(text) if parse_tools else ([], None)
         if not calls:
             return Reply(content=text, finish_reason=finish_reason, token_ids=token_ids, logprobs=logprobs)
@@ -296,4 +367,5 @@ class AgentEpisode:
             process_rewards=steps,
             turns=max(self.calls, 1),
             segments=[c.segment() for c in self.closed],
+            budget=self.budget,
         )

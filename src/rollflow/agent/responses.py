@@ -8,7 +8,8 @@ completions. The request's `instructions` and `input` items are read as the chat
 when given (a response of the same episode: the endpoint keeps each response's conversation until
 the episode ends). The model's turn is answered as a `response` whose `output` holds a `message`
 item (`output_text`) and a `function_call` item per tool call, `status` `completed` or
-`incomplete` (`max_output_tokens`). With `stream: true`, the Responses event stream
+`incomplete` (`max_output_tokens`), and the turn's log-probs when `include` asks for
+`message.output_text.logprobs`. With `stream: true`, the Responses event stream
 (`response.created` ... `response.completed`, each event with its `sequence_number`), sent once
 the turn has been recorded.
 
@@ -39,6 +40,11 @@ FIELDS = frozenset(
 """The request fields of the Responses API this endpoint reads (any other is refused)."""
 
 ROLES = ("system", "developer", "user", "assistant")
+
+LOGPROBS = "message.output_text.logprobs"
+"""The `include` value that asks for the turn's log-probs: every token's, on the message's text
+(tool-call text and the end token included, as chat completions gives them); other `include`
+values ask for what this endpoint never makes (reasoning, search results) and change nothing."""
 
 
 def chat_call(
@@ -135,11 +141,12 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def output(reply: Reply) -> list[dict[str, Any]]:
-    """The turn as output items: a message with its text, then a function_call per tool call."""
+def output(reply: Reply, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The turn as output items: a message with its text (and `logprobs`, when asked for), then a
+    function_call per tool call."""
     items: list[dict[str, Any]] = []
     if reply.content:
-        text = {"type": "output_text", "text": reply.content, "annotations": [], "logprobs": []}
+        text = {"type": "output_text", "text": reply.content, "annotations": [], "logprobs": logprobs or []}
         items.append({"type": "message", "id": f"msg_{secrets.token_hex(12)}", "status": "completed",
                       "role": "assistant", "content": [text]})  # fmt: skip
     for call in reply.tool_calls:
@@ -149,8 +156,15 @@ def output(reply: Reply) -> list[dict[str, Any]]:
     return items
 
 
-def response(reply: Reply, body: dict[str, Any], model: str, sampling: SamplingSpec) -> dict[str, Any]:
-    """The Responses API's response to one call."""
+def response(
+    reply: Reply,
+    body: dict[str, Any],
+    model: str,
+    sampling: SamplingSpec,
+    logprobs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The Responses API's response to one call; `logprobs`, each token's of the turn, go on its
+    message's text (`include: ["message.output_text.logprobs"]`)."""
     cut = reply.finish_reason == "length"
     n = len(reply.token_ids)
     return {
@@ -161,7 +175,7 @@ def response(reply: Reply, body: dict[str, Any], model: str, sampling: SamplingS
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "error": None,
         "model": model,
-        "output": output(reply),
+        "output": output(reply, logprobs),
         "instructions": body.get("instructions"),
         "previous_response_id": body.get("previous_response_id"),
         "tools": body.get("tools") or [],
@@ -214,8 +228,10 @@ def _item_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
         {"type": "response.output_item.added", "output_index": index,
          "item": {**item, "status": "in_progress", "content": []}},
         {"type": "response.content_part.added", **at, "content_index": 0, "part": empty},
-        {"type": "response.output_text.delta", **at, "content_index": 0, "delta": part["text"], "logprobs": []},
-        {"type": "response.output_text.done", **at, "content_index": 0, "text": part["text"], "logprobs": []},
+        {"type": "response.output_text.delta", **at, "content_index": 0, "delta": part["text"],
+         "logprobs": part["logprobs"]},
+        {"type": "response.output_text.done", **at, "content_index": 0, "text": part["text"],
+         "logprobs": part["logprobs"]},
         {"type": "response.content_part.done", **at, "content_index": 0, "part": part},
         {"type": "response.output_item.done", "output_index": index, "item": item},
     ]  # fmt: skip

@@ -11,8 +11,8 @@ of its own (`api_key`) that dies with it; a call with no key, or a wrong or expi
 in the dialect's error shape and never reaches another episode.
 
 A chat request the run cannot honour — another model, a sampling setting other than the run's
-(the importance-sampling correction assumes the run's distribution), `n` > 1, stop sequences,
-constrained decoding — gets an OpenAI-style error body (`{"error": {"message", "type", "param",
+(the importance-sampling correction assumes the run's distribution), `n` > 1, constrained
+decoding, a field the API does not have — gets an OpenAI-style error body (`{"error": {"message", "type", "param",
 "code"}}`) and status 400; nothing is silently changed.
 
 `stream: true` is answered as server-sent events in the dialect's format; they are sent once the
@@ -34,13 +34,34 @@ from typing import Any
 from aiohttp import web
 
 from rollflow.agent import anthropic, responses
-from rollflow.agent.dialect import check_run_settings, positive
+from rollflow.agent.dialect import check_run_settings, positive, stop_sequences
 from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
 
 _CHANGES_SAMPLING = ("frequency_penalty", "presence_penalty", "logit_bias", "response_format", "top_k", "min_p")
+
+FIELDS = frozenset(
+    {
+        "model", "messages", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
+        "max_completion_tokens", "max_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature",
+        "top_p", "tools", "tool_choice", "parallel_tool_calls", "response_format", "metadata", "store", "user",
+        "service_tier", "prediction", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+        "verbosity", "reasoning_effort", "modalities", "audio", "functions", "function_call", "web_search_options",
+        "top_k", "min_p", "repetition_penalty",  # vLLM's, refused unless they leave the distribution alone
+    }
+)  # fmt: skip
+"""The request fields of chat completions this endpoint reads (any other is refused)."""
+
+_UNSUPPORTED = {
+    "functions": "functions and function_call are the API's old form of tools: send tools",
+    "function_call": "functions and function_call are the API's old form of tools: send tools",
+    "audio": "only text is supported",
+    "reasoning_effort": "reasoning settings are not supported (the run's sampling decides the turn)",
+    "web_search_options": "built-in web search is not supported (only function tools)",
+}
+"""Fields refused whenever they are set, and why."""
 
 
 class _Refused(Exception):
@@ -203,16 +224,20 @@ class AgentServer:
 
     def _check(self, body: dict[str, Any]) -> dict[str, Any]:
         """The call's settings, or `BadRequest` for one the run cannot honour."""
-        check_run_settings(body, self.model, self.sampling)
+        check_run_settings(body, self.model, self.sampling, fields=FIELDS, api="chat completions API")
         if body.get("n") not in (None, 1):
             raise BadRequest("n must be 1: each call is one turn of the episode", "n")
-        if body.get("stop"):
-            raise BadRequest(
-                "stop sequences are not supported: the run's sampling ends turns at end of sequence", "stop"
-            )
+        for name, why in _UNSUPPORTED.items():
+            if body.get(name) is not None:
+                raise BadRequest(why, name)
+        if body.get("modalities") not in (None, ["text"]):
+            raise BadRequest('only text is supported: modalities must be ["text"]', "modalities")
         for name in _CHANGES_SAMPLING:
             if body.get(name) not in (None, 0, 0.0, {}):
                 raise BadRequest(f"{name} would change the distribution the run samples from", name)
+        if body.get("repetition_penalty") not in (None, 1, 1.0):
+            raise BadRequest("repetition_penalty would change the distribution the run samples from",
+                             "repetition_penalty")  # fmt: skip
         if body.get("top_logprobs"):
             raise BadRequest("top_logprobs is not supported (logprobs of the sampled tokens are)", "top_logprobs")
         choice = body.get("tool_choice")
@@ -227,7 +252,13 @@ class AgentServer:
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise BadRequest("expected an integer", "seed")
-        return {"tools": tools or None, "max_tokens": limit, "seed": seed, "parse_tools": choice != "none"}
+        return {
+            "tools": tools or None,
+            "max_tokens": limit,
+            "seed": seed,
+            "parse_tools": choice != "none",
+            "stop": stop_sequences(body.get("stop"), "stop"),
+        }
 
     def _logprobs(self, episode: AgentEpisode, reply: Reply) -> dict[str, Any]:
         texts = [episode.chat.tokenizer.decode([t]) for t in reply.token_ids]  # each token decoded once
@@ -298,7 +329,10 @@ class AgentServer:
             reply = await self._turn(episode, messages, call)
         except (BadRequest, _Refused) as err:
             return _openai_error(err)
-        done = responses.response(reply, body, self.model, self.sampling)
+        include = body.get("include")
+        wanted = isinstance(include, list) and responses.LOGPROBS in include
+        logprobs = self._logprobs(episode, reply)["content"] if wanted else None
+        done = responses.response(reply, body, self.model, self.sampling, logprobs)
         if key in self._episodes:  # (an episode that ended meanwhile keeps nothing)
             self._conversations.setdefault(key, {})[done["id"]] = responses.conversation(messages, reply)
         if not body.get("stream"):

@@ -30,6 +30,9 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     env_metrics: dict[str, float] = {}
     """Mean per metric an environment measured of its scored episodes (a verifiers task's `@vf.metric`s and
     `@vf.reward` scores)."""
+    budget_ends: dict[str, int] = {}
+    """Episodes of the batch's groups an episode budget ended, by budget (`turns`, `tokens`, `model_tokens`,
+    `time`; `Sample.budget`), unscorable ones included."""
     samples: int
     """Samples in the batch (unscorable ones left out)."""
     tokens: int

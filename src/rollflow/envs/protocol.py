@@ -79,4 +79,8 @@ class EpisodeLimits(msgspec.Struct, frozen=True, kw_only=True):
     """Completion tokens of the whole episode, the model's and the environment's."""
     max_model_len: int = 1024
     """Prompt + completion tokens the engine accepts."""
+    max_model_tokens: int = 0
+    """The model's tokens of the whole episode, every sequence of it (0: no budget of its own)."""
+    time_budget_s: float = 0.0
+    """Wall time from the episode's start after which no turn begins (0: no budget)."""
     step_timeout_s: float = 30.0

@@ -1,7 +1,8 @@
 """Scripted model turns for episode tests: the text each turn says, "sampled" deterministically.
 
 `ScriptedTurns` is a `GenerateTurn` (what an episode calls for each model turn) that returns the
-next scripted text as tokens of the real tokenizer, ending with its end-of-turn token, each with
+next scripted text as tokens of the real tokenizer, ending with its end-of-turn token (cut at the
+turn's `max_tokens`, ending in `length`, as an engine does), each with
 log-prob -0.1 × its position and the version in `version`; it remembers the token ids each turn
 was asked to continue (`seen`). Tests of environments and agents use it where the mechanics, not
 a model, are under test.
@@ -25,8 +26,9 @@ class ScriptedTurns:
 
     async def __call__(self, token_ids: list[int], spec: SamplingSpec, n: int) -> Sample:
         self.seen.append(list(token_ids))
-        ids = self.chat.tokens(self.turns.pop(0))[: spec.max_tokens - 1]
-        ids.append(self.chat.tokenizer.eos_token_id)
+        ids = [*self.chat.tokens(self.turns.pop(0)), self.chat.tokenizer.eos_token_id]
+        finish = "length" if len(ids) > spec.max_tokens else "stop"  # cut at the budget, as an engine does
+        ids = ids[: spec.max_tokens]
         await asyncio.sleep(0)  # a turn yields to the loop, as a streamed one does
         return Sample(
             prompt_id="p",
@@ -37,6 +39,6 @@ class ScriptedTurns:
             logprobs=[-0.1 * i for i in range(len(ids))],
             versions=[self.version] * len(ids),
             loss_mask=[1] * len(ids),
-            finish_reason="stop",
+            finish_reason=finish,
             sampling=spec,
         )
