@@ -12,6 +12,9 @@ message dropped or edited, a reply replaced, the tools changed) rewrites history
 so far is closed as a segment and the call starts a new one. The episode's sample is its last
 conversation, with the earlier ones as its `segments` (trained with the same reward and advantage).
 
+A reply's Hermes `<tool_call>` blocks are returned as tool calls; when one of them is broken (not
+JSON, no name), none is, and the reply is the turn's whole text, as the model wrote it.
+
 Budgets (`EpisodeLimits`): turns, the sequence's tokens, the model's tokens over the whole episode
 and wall time. A call that finds one spent generates nothing and gets an empty reply ending in
 `length` (each dialect's own stop reason); a turn that the episode's tokens cut short ends in
@@ -318,8 +321,8 @@ class AgentEpisode:
     def _reply(
         self, text: str, token_ids: list[int], logprobs: list[float], finish_reason: str, parse_tools: bool
     ) -> Reply:
-        calls, _ = parse_tool_calls(text) if parse_tools else ([], None)
-        if not calls:
+        calls, broken = parse_tool_calls(text) if parse_tools else ([], None)
+        if not calls or broken:  # a broken call: the agent reads the turn as the model wrote it
             return Reply(content=text, finish_reason=finish_reason, token_ids=token_ids, logprobs=logprobs)
         content = _CALL_BLOCK.sub("", text).strip() or None
         tool_calls = [

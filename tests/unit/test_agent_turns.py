@@ -1,7 +1,8 @@
-"""Episode budgets and stop sequences on the agents' endpoint, in each dialect, with the official
-clients, the real aiohttp server and the tiny model's real tokenizer (the model's turns scripted):
-a call past a budget generates nothing and ends in the dialect's own stop reason, the episode's
-record names the budget, and a turn cut at a stop sequence keeps exactly the tokens up to it."""
+"""What a turn is on the agents' endpoint, in each dialect, with the official clients, the real
+aiohttp server and the tiny model's real tokenizer (the model's turns scripted): a call past an
+episode budget generates nothing and ends in the dialect's own stop reason, the episode's record
+names the budget; a turn cut at a stop sequence keeps exactly the tokens up to it; a turn with a
+broken tool call comes back as the text the model wrote."""
 
 from __future__ import annotations
 
@@ -150,3 +151,60 @@ async def test_a_stop_sequence_cuts_the_turn_after_the_token_that_completes_it(c
     assert script.seen[1] == whole[: len(script.seen[1])]  # the second turn continued the sequence
     between = chat.tokenizer.decode(script.seen[1][len(sample.prompt_token_ids) + k :])
     assert between.startswith("<|im_end|>") and "Observation: 5" in between
+
+
+GOOD = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+BROKEN = '<tool_call>{"name"</tool_call>'
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_a_turn_with_a_broken_tool_call_comes_back_as_the_text_the_model_wrote(chat, agent_server, dialect):
+    """A well-formed call followed by a broken one: no call is run on the model's behalf, and the
+    agent reads the whole turn as text (the broken block included) to answer it; the turn ends as
+    an ordinary one."""
+    ep, _ = episode(chat, [f"{GOOD} {BROKEN}"])
+    key, url = agent_server.open(ep)
+    text, ended = await ask(dialect, url, "What is 2 + 3?")
+    agent_server.close(key)
+    assert text == f"{GOOD} {BROKEN}" and ep.current.finish_reason == "stop"
+    assert ended == {"chat": "stop", "responses": "completed", "anthropic": "end_turn"}[dialect]
+
+
+async def test_a_client_that_disconnects_mid_stream_leaves_the_episode_whole(chat, agent_server):
+    """The agent drops a streamed call while its turn is generating: the generation stops, nothing
+    of that turn is recorded, and the agent's next call is served and recorded as the episode's
+    only turn."""
+    import asyncio
+
+    import aiohttp
+
+    stopped = asyncio.Event()
+    script = ScriptedTurns(chat, ["after the drop"])
+
+    async def generate(token_ids, spec, n):
+        if not stopped.is_set():
+            try:
+                await asyncio.sleep(60)
+            finally:
+                stopped.set()
+        return await script(token_ids, spec, n)
+
+    prompt = Prompt(id="p1", token_ids=[1], messages=[Message(role="user", content="hi")])
+    ep = AgentEpisode(prompt, SPEC, generate, chat, EpisodeLimits(max_tokens=512))
+
+    async def agent(task, base_url):
+        body = {"model": "tiny", "messages": task.messages, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            dropped = asyncio.create_task(session.post(f"{base_url}/chat/completions", json=body))
+            await asyncio.sleep(0.3)
+            dropped.cancel()
+        await asyncio.wait_for(stopped.wait(), 10)
+        text, _ = await ask("chat", base_url, "hi")
+        return 1.0 if text == "after the drop" else 0.0
+
+    sample = await run_agent(agent, ep, agent_server, group_id="g", index=0, timeout_s=30)
+    assert sample.unscorable is None and sample.process_rewards[-1][1] == 1.0
+    assert sample.turns == 1 and chat.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True) == (
+        "after the drop"
+    )
+    assert len(script.seen) == 1
