@@ -1,7 +1,7 @@
 """The environments the field already has, trained as they are with real vLLM on the tiny model:
 a reasoning-gym task scored by its own `score_answer`, a dataset file scored by math-verify, a
 verifiers environment (single-turn, and multi-turn with a tool) through the OpenAI endpoint, a
-verifiers v1 taskset scored by its own tasks, and
+verifiers v1 taskset scored by its own tasks (one with tools served in-process), and
 an OpenEnv environment whose server rollflow starts. One engine serves every run in turn
 (`rollflow.testing.lend` puts it back on the initial weights at version 0)."""
 
@@ -134,6 +134,27 @@ async def test_a_verifiers_v1_taskset_trains_scored_by_its_own_tasks(lender, tmp
             assert sample.reward == pytest.approx(sample.env_metrics["correct"] + 0.5 * sample.env_metrics["digits"])
             assert sample.turns == 1 and sample.num_tokens > 0 and set(sample.loss_mask) == {1}
     assert all(set(m["env_metrics"]) == {"correct", "digits", "reply_chars"} for m in result.metrics)
+
+
+@pytest.mark.timeout(300)
+async def test_a_verifiers_v1_taskset_with_tools_trains_with_its_toolset_served_in_process(
+    lender, tmp_path, record_groups
+):
+    """calc-taskset's tasks bring a Calculator toolset: the run serves it in-process and shows its
+    tools to the chat template; the random model rarely calls one, so this checks the path end to end
+    (every episode scored by its task on its trace), and the unit tests check the calls."""
+    result, groups, _ = await run(
+        lender, tmp_path, record_groups, "env.kind=verifiers", "env.taskset=calc-taskset", "env.taskset_args={n = 8}",
+        "sampling.max_tokens=16", "rollout.group_size=4", "run.groups_per_step=2", "env.max_tokens=64",
+    )
+    assert result.steps == 3 and len(groups) == 6
+    for group in groups:
+        for sample in group.samples:
+            assert sample.unscorable is None and sample.reward_parts == {"calc-taskset": sample.reward}
+            metrics = sample.env_metrics
+            assert sample.reward == pytest.approx(metrics["correct"] + 0.25 * metrics["used_tools"])
+            assert 1 <= sample.turns <= 4 and sample.num_tokens > 0
+    assert all(set(m["env_metrics"]) == {"correct", "used_tools", "tool_calls"} for m in result.metrics)
 
 
 @pytest.mark.timeout(300)

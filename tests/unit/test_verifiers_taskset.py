@@ -36,9 +36,9 @@ def prompt_of(episodes: TasksetEpisodes, i: int) -> Prompt:
                   metadata=row.metadata)
 
 
-async def play(episodes, chat, turns, i=0, timeout_s=30.0):
+async def play(episodes, chat, turns, i=0, timeout_s=30.0, **limits):
     context = EpisodeContext(chat=chat, sampling=SPEC, max_model_len=1024)
-    episodes.settings = VerifiersEnvConfig(taskset=episodes.settings.taskset, step_timeout_s=timeout_s)
+    episodes.settings = VerifiersEnvConfig(taskset=episodes.settings.taskset, step_timeout_s=timeout_s, **limits)
     return await episodes.play(prompt_of(episodes, i), group_id="g0", index=0, generate=ScriptedTurns(chat, turns),
                                context=context)
 
@@ -153,6 +153,101 @@ TASKSETS = {
 
         __all__ = ["Game", "GameEnv"]
     """,
+    "ts_own_harness": """
+        import verifiers.v1 as vf
+
+        class Repo(vf.Taskset[vf.Task, vf.TasksetConfig]):
+            def load(self):
+                yield vf.Task(vf.TaskData(idx=0, prompt="fix the bug"), self.config.task)
+
+        class RepoHarness(vf.Harness):
+            pass
+
+        __all__ = ["Repo", "RepoHarness"]
+    """,
+    "ts_tools": """
+        import verifiers.v1 as vf
+
+        class Shared(vf.Toolset[vf.ToolsetConfig, vf.State]):
+            TOOL_PREFIX = None  # advertised bare
+
+            @vf.tool
+            def lookup(self, key: str) -> str:
+                \"\"\"Look a key up.\"\"\"
+                return {"pi": "3.14"}[key]
+
+        class Own(vf.Toolset[vf.ToolsetConfig, vf.State]):
+            @vf.tool
+            async def echo(self, text: str) -> str:
+                \"\"\"Say it back.\"\"\"
+                return text
+
+            async def setup_task(self, task) -> None:
+                if task.data.prompt == "broken setup":
+                    raise OSError("the index is missing")
+
+        class ToolTask(vf.Task):
+            @classmethod
+            def toolsets(cls, config):
+                return [Own(vf.ToolsetConfig())]
+
+            @vf.reward
+            async def results(self, trace: vf.Trace) -> float:
+                return float(len(trace.tool_messages))
+
+        class ToolTasks(vf.Taskset[ToolTask, vf.TasksetConfig]):
+            @classmethod
+            def toolsets(cls, config):
+                return [Shared(vf.ToolsetConfig())]
+
+            def load(self):
+                for i, prompt in enumerate(["look things up", "broken setup"]):
+                    yield ToolTask(vf.TaskData(idx=i, prompt=prompt), self.config.task)
+
+        __all__ = ["ToolTasks"]
+    """,
+    "ts_stateful_tools": """
+        import verifiers.v1 as vf
+
+        class Counts(vf.State):
+            calls: int = 0
+
+        class Counter(vf.Toolset[vf.ToolsetConfig, Counts]):
+            @vf.tool
+            def bump(self) -> str:
+                \"\"\"Count.\"\"\"
+                self.state.calls += 1
+                return str(self.state.calls)
+
+        class CountTasks(vf.Taskset[vf.Task, vf.TasksetConfig]):
+            @classmethod
+            def toolsets(cls, config):
+                return [Counter(vf.ToolsetConfig())]
+
+            def load(self):
+                yield vf.Task(vf.TaskData(idx=0, prompt="count"), self.config.task)
+
+        __all__ = ["CountTasks"]
+    """,
+    "ts_remote_tools": """
+        import verifiers.v1 as vf
+
+        class Search(vf.Toolset[vf.ToolsetConfig, vf.State]):
+            @vf.tool
+            def search(self, query: str) -> str:
+                \"\"\"Search.\"\"\"
+                return ""
+
+        class SearchTasks(vf.Taskset[vf.Task, vf.TasksetConfig]):
+            @classmethod
+            def toolsets(cls, config):
+                return [Search(vf.ToolsetConfig(url="https://search.example/mcp"))]
+
+            def load(self):
+                yield vf.Task(vf.TaskData(idx=0, prompt="search"), self.config.task)
+
+        __all__ = ["SearchTasks"]
+    """,
 }
 
 
@@ -191,6 +286,9 @@ async def test_a_task_whose_rewards_all_need_a_runtime_is_unscorable_saying_so(c
     ({"taskset": "ts-raises"}, "loading 'ts-raises''s tasks raised FileNotFoundError: data/train.parquet"),
     ({"taskset": "ts-no-all"}, "defines no `__all__`"),
     ({"taskset": "ts-multi-turn"}, "runs its own environment program (GameEnv"),
+    ({"taskset": "ts-own-harness"}, "'ts-own-harness' ships its own harness (ts-own-harness), a program"),
+    ({"taskset": "ts-stateful-tools"}, "its toolset Counter keeps state across calls (Counts)"),
+    ({"taskset": "ts-remote-tools"}, "its toolset Search is a remote server (https://search.example/mcp)"),
 ])
 def test_what_cannot_be_trained_is_refused_at_start_naming_it(settings, wanted):
     with pytest.raises(ConfigError) as err:
@@ -271,3 +369,60 @@ def test_a_classic_environment_runs_on_the_legacy_api_and_is_refused_where_there
             VerifiersEnv("vf-sums")
     else:
         assert len(VerifiersEnv("vf-sums", {"n": 2}).rows()) == 2
+
+
+def call(name: str, **arguments) -> str:
+    import json
+
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+async def test_a_task_with_tools_is_a_tool_loop_served_in_process_and_scored_on_its_whole_trace(chat):
+    """calc-taskset: the task's Calculator toolset, as verifiers names its tools; each call's result
+    comes back as a tool message (in the sequence, out of the loss), a bad call's error too, and the
+    task scores the trace of every turn."""
+    episodes = source(taskset="calc-taskset", taskset_args={"n": 2}, max_tokens=900)
+    await episodes.start()
+    row = episodes.rows()[0]
+    a, b, c = (int(n) for n in row.messages[-1].content.removeprefix("What is ").rstrip("?").replace("×", "+")
+               .split("+"))
+    turns = [call("calculator_multiply", a=a, b=b), call("calculator_add", a=a * b, b="c"),
+             call("calculator_add", a=a * b, b=c), f"The answer is {a * b + c}."]
+    sample = await play(episodes, chat, turns, max_tokens=900)
+    assert sample.unscorable is None and sample.turns == 4
+    assert sample.env_metrics["correct"] == 1.0 and sample.env_metrics["tool_calls"] == 3.0
+    assert sample.env_metrics["used_tools"] == 2 / 4  # two results without an error over four turns
+    assert sample.process_rewards == [(sample.num_tokens - 1, 1.0 + 0.25 * 2 / 4)]
+    text = chat.tokenizer.decode
+    tool_text = text([t for t, m in zip(sample.completion_token_ids, sample.loss_mask, strict=True) if m == 0])
+    model_text = text([t for t, m in zip(sample.completion_token_ids, sample.loss_mask, strict=True) if m == 1],
+                      skip_special_tokens=True)
+    assert str(a * b) in tool_text and str(a * b + c) in tool_text and "validation error" in tool_text
+    assert model_text == "".join(turns)
+
+
+@pytest.mark.usefixtures("tasksets")
+async def test_the_tasksets_own_tools_and_the_tasks_are_both_there_and_errors_reach_the_model(chat):
+    episodes = source(taskset="ts-tools")
+    await episodes.start()
+    turns = [call("lookup", key="pi"), call("lookup", key="e"), call("own_echo", text="hi"), call("nope"), "done"]
+    sample = await play(episodes, chat, turns, max_tokens=900, max_turns=5)
+    tool_text = chat.tokenizer.decode([t for t, m in zip(sample.completion_token_ids, sample.loss_mask,
+                                                         strict=True) if m == 0])
+    assert sample.unscorable is None and sample.turns == 5
+    assert "3.14" in tool_text and "error: Error executing tool lookup: 'e'" in tool_text and "hi" in tool_text
+    assert "error: unknown tool 'nope' (tools: lookup, own_echo)" in tool_text
+    assert sample.process_rewards == [(sample.num_tokens - 1, 4.0)]  # four tool results in the trace
+
+
+@pytest.mark.usefixtures("tasksets")
+async def test_a_tool_loop_cut_by_the_turn_limit_is_scored_as_it_stands_and_a_failed_setup_is_unscorable(chat):
+    episodes = source(taskset="ts-tools")
+    await episodes.start()
+    sample = await play(episodes, chat, [call("lookup", key="pi"), call("lookup", key="pi"), "never"],
+                        max_tokens=900, max_turns=2)
+    assert sample.unscorable is None and sample.turns == 2
+    assert sample.process_rewards == [(sample.num_tokens - 1, 1.0)]  # the second call's result came after the last turn
+    broken = await play(episodes, chat, ["never"], i=1)
+    assert broken.unscorable == "environment: setting up the task's toolsets raised OSError: the index is missing"
+    assert broken.completion_token_ids == []

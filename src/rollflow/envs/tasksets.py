@@ -5,25 +5,34 @@ The taskset is loaded with verifiers' own loader (`ID` names the installed modul
 its `Taskset` subclass in `__all__`; `taskset_args` are fields of its `TasksetConfig`), and its
 tasks are the run's prompts: each task's system prompt and prompt, under the id
 `ID-<the task's key>` (verifiers' stable task identity), in the run's seeded resumable order.
-rollflow generates each reply itself, like any sample (streamed, per-token versions), then builds
-the episode's `vf.Trace` (the prompt and the reply as its message graph) and scores it in-process
-with the task's own `@vf.reward`s, `@vf.metric`s and judges (`Task.score`): the weighted sum of
-the rewards is the episode's reward, reported under the taskset's id, and each reward's score and
-each metric go to `Sample.env_metrics` (metrics.jsonl `env_metrics`). A signal that needs a
-runtime (a sandbox) is skipped by verifiers; when no reward is left, or a reward raises, returns
-something that is not a finite number or runs past `env.step_timeout_s`, the episode is
-unscorable with the reason.
+rollflow plays each task as verifiers' null harness does (the model, and the task's tools if it has
+any, with no program in between), generating every turn itself like any sample (streamed,
+per-token versions). A task without tools is one reply. A task with tool servers (`toolsets`, the
+taskset's and the task's own) is a tool loop: the tools are served in-process
+(`rollflow.envs.task_tools`) and shown to the chat template; each turn's Hermes `<tool_call>`s are
+run and their results come back as tool messages (in the sequence, out of the loss), until a turn
+calls no tool, `env.max_turns` turns or the episode's tokens run out. Then rollflow builds the
+episode's `vf.Trace` (every turn, its tool calls and results, as its message graph) and scores it
+in-process with the task's own `@vf.reward`s, `@vf.metric`s and judges (`Task.score`): the
+weighted sum of the rewards is the episode's reward, reported under the taskset's id, and each
+reward's score and each metric go to `Sample.env_metrics` (metrics.jsonl `env_metrics`). A
+signal that needs a runtime (a sandbox) is skipped by verifiers; when no reward is left, or a
+reward raises, returns something that is not a finite number or runs past `env.step_timeout_s`,
+the episode is unscorable with the reason.
 
-Supported: single-turn tasks without tools, from verifiers `SUPPORTED` (tested with 0.3.1 and 0.4.0).
-Refused at start, naming what: a taskset whose package runs its own `Env` (multi-turn programs),
-tasks with tool servers (`toolsets`) or that need a container, an infinite taskset without
-`max_tasks`. The library is imported lazily; without it, one error names the extra.
+Supported from verifiers `SUPPORTED` (tested with 0.3.1 and 0.4.0). Refused at start, naming what:
+a taskset whose package runs its own `Env` or ships its own harness (a program), tasks that need
+a container, toolsets rollflow cannot serve in-process (`task_tools.check_toolsets`), an infinite
+taskset without `max_tasks`. The library is imported lazily; without it, one error names the extra.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import itertools
+import json
+import re
 import time
 from typing import Any
 
@@ -34,6 +43,8 @@ from rollflow.data_files import Row
 from rollflow.envs.episode import run_episode
 from rollflow.envs.protocol import EnvStep, GenerateTurn, Turn
 from rollflow.envs.source import EpisodeContext, EpisodeSource
+from rollflow.envs.task_tools import ToolServers, check_toolsets
+from rollflow.envs.tools import parse_tool_calls
 from rollflow.errors import ConfigError, DataError
 from rollflow.records import Message, Prompt, Sample
 from rollflow.scoring import finite, shown
@@ -47,6 +58,8 @@ ROLES = {"system", "user", "assistant"}
 
 KEY = "verifiers_task"
 """The row metadata holding its task's key (prompt ids of later epochs carry a suffix)."""
+
+_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
 class Unscorable(Exception):
@@ -63,9 +76,9 @@ def _v1() -> Any:
     return vf
 
 
-def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> list[Any]:
-    """The taskset's tasks (its first `max_tasks`, 0: all), checked: ConfigError naming what cannot
-    be trained here."""
+def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> tuple[list[Any], list[Any]]:
+    """The taskset's tasks (its first `max_tasks`, 0: all) and its own toolsets (shared by its
+    tasks), checked: ConfigError naming what cannot be trained here."""
     vf = _v1()
     from pydantic import ValidationError
     from verifiers.v1.utils import loaders
@@ -84,6 +97,7 @@ def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> list[
         cls = loaders.taskset_class(taskset_id)
         config_type = loaders.taskset_config_type(taskset_id)
         env_cls = loaders.environment_class(taskset_id)
+        harness = loaders.default_harness_id(taskset_id)
     except SystemExit as err:
         raise ConfigError(f"env.taskset: importing {taskset_id!r} called sys.exit({err.code!r})") from None
     except Exception as err:  # verifiers' own explanation (no __all__, no Taskset subclass, an import error)
@@ -93,6 +107,11 @@ def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> list[
     except ValidationError as err:
         raise ConfigError(f"env.taskset_args: not a valid {config_type.__name__}: {err}") from None
     _check_trainable(vf, taskset_id, cls, config, env_cls, max_tasks)
+    if harness != "bash":  # verifiers' fallback: the taskset ships no harness of its own
+        raise ConfigError(
+            f"env.taskset: {taskset_id!r} ships its own harness ({harness}), a program its tasks run through; "
+            "rollflow plays tasks with the model and their tools alone"
+        )
     try:
         tasks = list(itertools.islice(cls(config), max_tasks or None))
     except SystemExit as err:
@@ -101,7 +120,7 @@ def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> list[
         raise ConfigError(f"env.taskset: loading {taskset_id!r}'s tasks raised {type(err).__name__}: {err}") from None
     if not tasks:
         raise DataError(f"env.taskset: {taskset_id!r} has no tasks")
-    return tasks
+    return tasks, cls.toolsets(config)
 
 
 def _check_trainable(vf: Any, taskset_id: str, cls: Any, config: Any, env_cls: Any, max_tasks: int) -> None:
@@ -109,13 +128,12 @@ def _check_trainable(vf: Any, taskset_id: str, cls: Any, config: Any, env_cls: A
     if env_cls is not vf.SingleAgentEnv:
         raise ConfigError(
             f"{name} runs its own environment program ({env_cls.__name__}: multi-turn, through a harness); "
-            "rollflow trains single-turn v1 tasks"
+            "rollflow plays a task with the model and its tools alone (verifiers' SingleAgentEnv)"
         )
     task_type = cls.task_type()
     if task_type.NEEDS_CONTAINER:
         raise ConfigError(f"{name}: its tasks ({task_type.__name__}) need a container, which rollflow does not run")
-    if cls.toolsets(config) or task_type.toolsets(config.task):
-        raise ConfigError(f"{name}: its tasks have tool servers (toolsets); rollflow trains v1 tasks without tools")
+    check_toolsets([*cls.toolsets(config), *task_type.toolsets(config.task)], name)
     if cls.INFINITE and not max_tasks:
         raise ConfigError(f"{name} is infinite: give env.max_tasks, how many of its tasks to read")
 
@@ -143,41 +161,73 @@ def task_messages(task: Any, where: str) -> list[Message]:
 
 
 class TaskEpisode:
-    """One episode of one task, as a rollflow `Environment`: the prompt, one reply, the task's score."""
+    """One episode of one task, as a rollflow `Environment`: the prompt, the model's turns and
+    (with `tools`) their tool calls' results, then the task's score."""
 
-    def __init__(self, task: Any, model: str) -> None:
+    def __init__(self, task: Any, model: str, tools: ToolServers | None = None, tool_timeout_s: float = 30.0) -> None:
         self.task = task
         self.model = model
-        self.messages: list[Message] = []
+        self.tools = tools
+        self.tool_timeout_s = tool_timeout_s
+        self.history: list[Any] = []
+        """The conversation as verifiers messages."""
+        self.replies: list[tuple[int, Any, str]] = []
+        """Each model turn: (how many messages of `history` came before it, its message, its finish reason)."""
         self.metrics: dict[str, float] = {}
+        self.scored = False
 
     async def reset(self, prompt: Prompt) -> list[Message]:
-        self.messages = list(prompt.messages)
+        import verifiers.v1 as vf
+
+        kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
+        self.history = [kinds[m.role](content=m.content) for m in prompt.messages]
         return list(prompt.messages)
 
     async def step(self, turn: Turn) -> EnvStep:
-        trace = self.trace(turn)
-        await self.task.score(trace)
-        return EnvStep(reward=self.reward(trace), done=True)
+        import verifiers.v1 as vf
 
-    def trace(self, turn: Turn) -> Any:
-        """The episode as verifiers records it: the task, and the prompt and reply as its message graph."""
+        calls, broken = parse_tool_calls(turn.text) if self.tools is not None else ([], None)
+        if broken is not None:  # a broken call: the turn is text, as the model wrote it (it ends the episode)
+            calls = []
+        content = (_CALL_BLOCK.sub("", turn.text).strip() or None) if calls else turn.text
+        tool_calls = [
+            vf.ToolCall(id=f"call_{turn.index}_{i}", name=c.name, arguments=json.dumps(c.arguments))
+            for i, c in enumerate(calls)
+        ]
+        reply = vf.AssistantMessage(content=content, tool_calls=tool_calls or None)
+        self.replies.append((len(self.history), reply, turn.finish_reason))
+        self.history.append(reply)
+        if not calls or turn.finish_reason == "length" or self.tools is None:
+            return EnvStep(reward=await self.score("length" if turn.finish_reason == "length" else "completed"),
+                           done=True)  # fmt: skip
+        results = [await self.tools.call(c, self.tool_timeout_s) for c in calls]
+        self.history += [vf.ToolMessage(tool_call_id=t.id, content=r) for t, r in zip(tool_calls, results, strict=True)]
+        return EnvStep(messages=[Message(role="tool", content=r) for r in results])
+
+    async def score(self, stop: str) -> float:
+        """The task's score of the episode so far, which ended with `stop` (verifiers' stop condition)."""
+        trace = self.trace(stop)
+        await self.task.score(trace)
+        self.scored = True
+        return self.reward(trace)
+
+    def trace(self, stop: str) -> Any:
+        """The episode as verifiers records it: the task, and every turn in its message graph."""
         import verifiers.v1 as vf
         from verifiers.v1.graph import prepare_turn
 
-        kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
         task = self.task
         trace = vf.Trace(
             task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
             agent=vf.AgentInfo(config=vf.AgentConfig(), name="policy"),
         )
-        opening = [kinds[m.role](content=m.content) for m in self.messages]
-        reply = vf.Response(
-            id=f"turn-{turn.index}", created=int(time.time()), model=self.model,
-            message=vf.AssistantMessage(content=turn.text), finish_reason=turn.finish_reason,
-        )  # fmt: skip
-        prepare_turn(trace, opening).commit(reply)
-        trace.stop("length" if turn.finish_reason == "length" else "completed")
+        for i, (before, message, finish) in enumerate(self.replies):
+            reply = vf.Response(
+                id=f"turn-{i}", created=int(time.time()), model=self.model, message=message,
+                finish_reason="tool_calls" if message.tool_calls and finish != "length" else finish,
+            )  # fmt: skip
+            prepare_turn(trace, self.history[:before]).commit(reply)
+        trace.stop(stop)
         return trace
 
     def reward(self, trace: Any) -> float:
@@ -201,7 +251,8 @@ class TaskEpisode:
 
 class TasksetEpisodes(EpisodeSource):
     """A verifiers v1 taskset as a source of episodes: its tasks as the run's prompts, each
-    played by `run_episode` (one model turn) and scored by its task."""
+    played by `run_episode` (one model turn, or a tool loop for a task with tools) and scored by
+    its task. The taskset's own toolsets are set up when the source starts."""
 
     settings: VerifiersEnvConfig
 
@@ -209,7 +260,8 @@ class TasksetEpisodes(EpisodeSource):
         self.settings = settings
         self.model = model
         self.name = settings.taskset
-        tasks = load_taskset(settings.taskset, settings.taskset_args, settings.max_tasks)
+        tasks, toolsets = load_taskset(settings.taskset, settings.taskset_args, settings.max_tasks)
+        self.shared = ToolServers(toolsets)
         self.tasks: dict[str, Any] = {}
         """task key -> task"""
         self._rows: list[Row] = []
@@ -227,16 +279,68 @@ class TasksetEpisodes(EpisodeSource):
                 )
             )  # fmt: skip
 
+    async def start(self) -> None:
+        try:
+            await self.shared.start()
+        except ConfigError:
+            raise
+        except Exception as err:
+            why = f"{type(err).__name__}: {err}"
+            raise ConfigError(f"env.taskset: setting up {self.name!r}'s toolsets raised {why}") from err
+
     def rows(self) -> list[Row]:
         return self._rows
 
     async def play(
         self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
     ) -> Sample:
-        limits = msgspec.structs.replace(context.limits(self.settings), max_turns=1)
-        episode = TaskEpisode(self.tasks[prompt.metadata[KEY]], self.model)
+        task = self.tasks[prompt.metadata[KEY]]
+        limits = context.limits(self.settings)
+        tools, failure = await self._tools_for(task)
+        if failure is not None:
+            return Sample(
+                prompt_id=prompt.id, group_id=group_id, index=index, prompt_token_ids=prompt.token_ids,
+                completion_token_ids=[], logprobs=[], versions=[], loss_mask=[], finish_reason="stop",
+                sampling=context.sampling, unscorable=failure, env_reward=self.name,
+            )  # fmt: skip
+        if tools is None:
+            limits = msgspec.structs.replace(limits, max_turns=1)
+        episode = TaskEpisode(task, self.model, tools, self.settings.step_timeout_s)
         sample = await run_episode(
             episode, prompt, context.sampling, generate, context.chat, group_id=group_id, index=index,
-            limits=limits, reward_name=self.name,
+            limits=limits, tools=tools.schemas if tools is not None else None, reward_name=self.name,
         )  # fmt: skip
+        if not episode.scored and sample.unscorable is None and episode.replies:
+            sample = await self._score_cut(episode, sample, limits)
         return msgspec.structs.replace(sample, env_metrics=episode.metrics) if episode.metrics else sample
+
+    async def _tools_for(self, task: Any) -> tuple[ToolServers | None, str | None]:
+        """The episode's tools (the taskset's and the task's own, set up for it), or None when it
+        has none; or why they could not be set up."""
+        own = ToolServers(type(task).toolsets(task.config))
+        timeout_s = self.settings.step_timeout_s
+        try:
+            await asyncio.wait_for(own.start(task), timeout_s)
+        except TimeoutError:
+            return None, f"environment: setting up the task's toolsets timed out after {timeout_s:g} s"
+        except Exception as err:  # the toolset's bug ends its episode, not the run
+            return None, f"environment: setting up the task's toolsets raised {type(err).__name__}: {err}"
+        if not own.tools and not self.shared.tools:
+            return None, None
+        own.schemas = self.shared.schemas + own.schemas
+        own.tools = {**self.shared.tools, **own.tools}
+        return own, None
+
+    async def _score_cut(self, episode: TaskEpisode, sample: Sample, limits: Any) -> Sample:
+        """A tool loop the episode's limits ended (turns, tokens) before the model stopped calling
+        tools: the task scores it as it stands, truncated, as verifiers does."""
+        stop = "max_turns" if sample.turns >= limits.max_turns else "max_total_tokens"
+        try:
+            reward = await asyncio.wait_for(episode.score(stop), self.settings.step_timeout_s)
+        except TimeoutError:
+            why = f"environment: scoring timed out after {self.settings.step_timeout_s:g} s"
+            return msgspec.structs.replace(sample, unscorable=why)
+        except Exception as err:
+            why = f"environment: scoring raised {type(err).__name__}: {err}"
+            return msgspec.structs.replace(sample, unscorable=why)
+        return msgspec.structs.replace(sample, process_rewards=[(sample.num_tokens - 1, reward)])

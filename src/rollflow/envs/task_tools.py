@@ -1,0 +1,111 @@
+"""A verifiers v1 task's tool servers (`vf.Toolset`s), served in-process for its episodes.
+
+verifiers runs each toolset as an MCP server program, and a harness program that connects the
+model to it. rollflow registers the same toolset on an in-process MCP server object (the
+registration verifiers' own server does, `Toolset.register`) and calls its tools directly: no
+subprocess, no port, nothing installed at run time. The model sees each tool as verifiers'
+harnesses advertise it, `<server>_<tool>` (bare when the toolset's `TOOL_PREFIX` is None), with the
+schema MCP derives from its signature and its docstring as description. A call's answer is the
+text of its result; a tool that raises, gets arguments its signature refuses, or runs past its
+timeout answers with the error, as an MCP server does, and the episode goes on.
+
+A taskset's own toolsets are set up once for the run (`setup`); a task's are made for each
+episode (`setup`, then `setup_task(task)`). Refused at start (`check_toolsets`): a toolset that keeps
+state across calls (its own `State`: verifiers carries it through a channel rollflow does not
+serve), one at a URL (a remote server), one in a container runtime. Works with mcp 1.x (verifiers
+0.3) and 2.x (verifiers 0.4). This module does not play episodes (`rollflow.envs.tasksets`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rollflow.envs.tools import Tool, ToolCall, call_tool
+from rollflow.errors import ConfigError
+
+
+def check_toolsets(toolsets: list[Any], where: str) -> None:
+    """ConfigError naming the first toolset rollflow cannot serve in-process, and why."""
+    from verifiers.v1.runtimes import SubprocessConfig
+    from verifiers.v1.state import State, state_cls
+
+    for toolset in toolsets:
+        name = f"{where}: its toolset {type(toolset).__name__}"
+        config = getattr(toolset, "config", None)
+        if state_cls(type(toolset)) is not State:
+            raise ConfigError(
+                f"{name} keeps state across calls ({state_cls(type(toolset)).__name__}), which verifiers carries "
+                "through a channel rollflow does not serve; rollflow runs stateless toolsets in-process"
+            )
+        url = getattr(config, "url", None)
+        if url:
+            raise ConfigError(f"{name} is a remote server ({url}); rollflow runs toolsets in-process")
+        runtime = getattr(config, "runtime", None)
+        if runtime is not None and not isinstance(runtime, SubprocessConfig):
+            raise ConfigError(f"{name} runs in a {type(runtime).__name__} runtime, which rollflow does not start")
+
+
+def _mcp_server(name: str) -> Any:
+    try:  # mcp 2.x
+        from mcp.server.mcpserver import MCPServer
+    except ImportError:  # mcp 1.x
+        from mcp.server.fastmcp import FastMCP as MCPServer
+    return MCPServer(name)
+
+
+def _text(result: Any) -> str:
+    """A tool result's text: its content blocks' text (mcp 1.x gives (blocks, structured), 2.x a
+    result with `content`)."""
+    if isinstance(result, tuple):
+        result = result[0]
+    blocks = getattr(result, "content", result)
+    if isinstance(blocks, dict):
+        return json.dumps(blocks)
+    parts = [block.text if getattr(block, "type", None) == "text" else str(block) for block in blocks]
+    return "\n".join(parts)
+
+
+class ToolServers:
+    """Toolsets registered on in-process MCP servers: their tools' chat schemas and calls."""
+
+    def __init__(self, toolsets: list[Any]) -> None:
+        self.toolsets = toolsets
+        self.schemas: list[dict[str, Any]] = []
+        """The tools as the chat template shows them (OpenAI function schemas)."""
+        self.tools: dict[str, Tool] = {}
+        """advertised name -> the call"""
+
+    async def start(self, task: Any = None) -> None:
+        """Set each toolset up (for `task`, when given) and learn its tools."""
+        for toolset in self.toolsets:
+            await toolset.setup()
+            if task is not None:
+                await toolset.setup_task(task)
+            server = _mcp_server(toolset.server_name or type(toolset).__name__)
+            toolset.register(server)
+            for tool in await server.list_tools():
+                name = f"{toolset.server_name}_{tool.name}" if toolset.server_name else tool.name
+                if name in self.tools:
+                    raise ConfigError(f"two toolsets advertise the tool {name!r}; keep their TOOL_PREFIX")
+                schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
+                function = {"name": name, "parameters": schema or {"type": "object"}}
+                if tool.description:
+                    function["description"] = tool.description
+                self.schemas.append({"type": "function", "function": function})
+                self.tools[name] = _caller(server, tool.name)
+
+    async def call(self, call: ToolCall, timeout_s: float) -> str:
+        """The answer to one tool call (an error text when it fails)."""
+        return await call_tool(self.tools, call, timeout_s)
+
+
+def _caller(server: Any, tool: str) -> Tool:
+    async def run(**arguments: Any) -> str:
+        try:
+            result = await server.call_tool(tool, arguments)
+        except Exception as err:  # the server's own error text, as it answers a remote caller
+            return f"error: {err}"
+        return _text(result)
+
+    return run
