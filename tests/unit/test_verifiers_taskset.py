@@ -235,18 +235,47 @@ TASKSETS = {
         class Search(vf.Toolset[vf.ToolsetConfig, vf.State]):
             @vf.tool
             def search(self, query: str) -> str:
-                \"\"\"Search.\"\"\"
-                return ""
+                \"\"\"Search the index.\"\"\"
+                if query == "nothing":
+                    raise LookupError("no results")
+                return f"3 results for {query}"
 
-        class SearchTasks(vf.Taskset[vf.Task, vf.TasksetConfig]):
+        class SearchConfig(vf.TasksetConfig):
+            url: str = ""
+
+        class SearchTask(vf.Task):
+            @vf.reward
+            async def searched(self, trace: vf.Trace) -> float:
+                return float(len(trace.tool_messages))
+
+        class SearchTasks(vf.Taskset[SearchTask, SearchConfig]):
             @classmethod
             def toolsets(cls, config):
-                return [Search(vf.ToolsetConfig(url="https://search.example/mcp"))]
+                return [Search(vf.ToolsetConfig(url=config.url))]
 
             def load(self):
-                yield vf.Task(vf.TaskData(idx=0, prompt="search"), self.config.task)
+                yield SearchTask(vf.TaskData(idx=0, prompt="search"), self.config.task)
 
-        __all__ = ["SearchTasks"]
+        __all__ = ["SearchTasks", "Search"]
+    """,
+    "ts_container_tools": """
+        import verifiers.v1 as vf
+
+        class Browser(vf.Toolset[vf.ToolsetConfig, vf.State]):
+            @vf.tool
+            def open(self, url: str) -> str:
+                \"\"\"Open a page.\"\"\"
+                return ""
+
+        class BrowseTasks(vf.Taskset[vf.Task, vf.TasksetConfig]):
+            @classmethod
+            def toolsets(cls, config):
+                return [Browser(vf.ToolsetConfig(runtime=vf.DockerConfig(image="browser:latest")))]
+
+            def load(self):
+                yield vf.Task(vf.TaskData(idx=0, prompt="browse"), self.config.task)
+
+        __all__ = ["BrowseTasks"]
     """,
 }
 
@@ -288,7 +317,7 @@ async def test_a_task_whose_rewards_all_need_a_runtime_is_unscorable_saying_so(c
     ({"taskset": "ts-multi-turn"}, "runs its own environment program (GameEnv"),
     ({"taskset": "ts-own-harness"}, "'ts-own-harness' ships its own harness (ts-own-harness), a program"),
     ({"taskset": "ts-stateful-tools"}, "its toolset Counter keeps state across calls (Counts)"),
-    ({"taskset": "ts-remote-tools"}, "its toolset Search is a remote server (https://search.example/mcp)"),
+    ({"taskset": "ts-container-tools"}, "its toolset Browser runs in a DockerConfig runtime"),
 ])
 def test_what_cannot_be_trained_is_refused_at_start_naming_it(settings, wanted):
     with pytest.raises(ConfigError) as err:
@@ -426,3 +455,46 @@ async def test_a_tool_loop_cut_by_the_turn_limit_is_scored_as_it_stands_and_a_fa
     broken = await play(episodes, chat, ["never"], i=1)
     assert broken.unscorable == "environment: setting up the task's toolsets raised OSError: the index is missing"
     assert broken.completion_token_ids == []
+
+
+@pytest.fixture
+def search_server(tasksets, tmp_path):
+    """ts_remote_tools's Search toolset served as verifiers serves a toolset (its own MCP server
+    program, streamable HTTP on 127.0.0.1), in a subprocess; yields its URL."""
+    import os
+    import subprocess
+    import time
+
+    port_file = tmp_path / "port"
+    env = os.environ | {"MCP_PORT_FILE": str(port_file), "VF_CONFIG": "{}",
+                        "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", "from ts_remote_tools import Search; Search.run()"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and port_file.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the MCP server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port_file.read_text()}/mcp"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_a_toolset_at_a_url_is_called_there_over_mcp(chat, search_server):
+    episodes = source(taskset="ts-remote-tools", taskset_args={"url": search_server})
+    for _ in range(100):  # the server binds its port before it answers
+        try:
+            await episodes.start()
+            break
+        except ConfigError:
+            await asyncio.sleep(0.1)
+    assert [t["function"]["name"] for t in episodes.shared.schemas] == ["search_search"]
+    assert episodes.shared.schemas[0]["function"]["description"] == "Search the index."
+    turns = [call("search_search", query="cats"), call("search_search", query="nothing"), "done"]
+    sample = await play(episodes, chat, turns, max_tokens=900)
+    tool_text = chat.tokenizer.decode([t for t, m in zip(sample.completion_token_ids, sample.loss_mask,
+                                                         strict=True) if m == 0])
+    assert sample.unscorable is None and sample.turns == 3
+    assert "3 results for cats" in tool_text and "error: Error executing tool search: no results" in tool_text
+    assert sample.process_rewards == [(sample.num_tokens - 1, 2.0)]

@@ -1,4 +1,5 @@
-"""A verifiers v1 task's tool servers (`vf.Toolset`s), served in-process for its episodes.
+"""A verifiers v1 task's tool servers (`vf.Toolset`s), served in-process for its episodes, or
+reached at their URL.
 
 verifiers runs each toolset as an MCP server program, and a harness program that connects the
 model to it. rollflow registers the same toolset on an in-process MCP server object (the
@@ -9,16 +10,22 @@ schema MCP derives from its signature and its docstring as description. A call's
 text of its result; a tool that raises, gets arguments its signature refuses, or runs past its
 timeout answers with the error, as an MCP server does, and the episode goes on.
 
+A toolset whose config gives a `url` is an MCP server that runs elsewhere (verifiers launches
+nothing for it either): rollflow lists and calls its tools there over MCP's streamable HTTP, one
+session per call as verifiers' harnesses do, and an error result is the model's to read.
+
 A taskset's own toolsets are set up once for the run (`setup`); a task's are made for each
 episode (`setup`, then `setup_task(task)`). Refused at start (`check_toolsets`): a toolset that keeps
 state across calls (its own `State`: verifiers carries it through a channel rollflow does not
-serve), one at a URL (a remote server), one in a container runtime. Works with mcp 1.x (verifiers
-0.3) and 2.x (verifiers 0.4). This module does not play episodes (`rollflow.envs.tasksets`).
+serve) and one in a container runtime. Works with mcp 1.x (verifiers 0.3) and 2.x (verifiers 0.4).
+This module does not play episodes (`rollflow.envs.tasksets`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from rollflow.envs.tools import Tool, ToolCall, call_tool
@@ -38,11 +45,8 @@ def check_toolsets(toolsets: list[Any], where: str) -> None:
                 f"{name} keeps state across calls ({state_cls(type(toolset)).__name__}), which verifiers carries "
                 "through a channel rollflow does not serve; rollflow runs stateless toolsets in-process"
             )
-        url = getattr(config, "url", None)
-        if url:
-            raise ConfigError(f"{name} is a remote server ({url}); rollflow runs toolsets in-process")
         runtime = getattr(config, "runtime", None)
-        if runtime is not None and not isinstance(runtime, SubprocessConfig):
+        if not getattr(config, "url", None) and runtime is not None and not isinstance(runtime, SubprocessConfig):
             raise ConfigError(f"{name} runs in a {type(runtime).__name__} runtime, which rollflow does not start")
 
 
@@ -66,6 +70,33 @@ def _text(result: Any) -> str:
     return "\n".join(parts)
 
 
+class _Remote:
+    """An MCP server at a URL, in the calls an in-process server answers."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    @asynccontextmanager
+    async def _session(self) -> AsyncIterator[Any]:
+        from mcp import ClientSession
+        from mcp.client.streamable_http import streamable_http_client
+
+        async with streamable_http_client(self.url) as (read, write, *_), ClientSession(read, write) as session:
+            await session.initialize()
+            yield session
+
+    async def list_tools(self) -> list[Any]:
+        async with self._session() as session:
+            return list((await session.list_tools()).tools)
+
+    async def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
+        async with self._session() as session:
+            result = await session.call_tool(name, arguments)
+        if getattr(result, "isError", None) or getattr(result, "is_error", None):
+            raise RuntimeError(_text(result))  # the server's own error text, for the model
+        return result
+
+
 class ToolServers:
     """Toolsets registered on in-process MCP servers: their tools' chat schemas and calls."""
 
@@ -79,11 +110,16 @@ class ToolServers:
     async def start(self, task: Any = None) -> None:
         """Set each toolset up (for `task`, when given) and learn its tools."""
         for toolset in self.toolsets:
-            await toolset.setup()
-            if task is not None:
-                await toolset.setup_task(task)
-            server = _mcp_server(toolset.server_name or type(toolset).__name__)
-            toolset.register(server)
+            url = getattr(toolset.config, "url", None)
+            server: Any
+            if url:  # it runs elsewhere: nothing to set up here
+                server = _Remote(url)
+            else:
+                await toolset.setup()
+                if task is not None:
+                    await toolset.setup_task(task)
+                server = _mcp_server(toolset.server_name or type(toolset).__name__)
+                toolset.register(server)
             for tool in await server.list_tools():
                 name = f"{toolset.server_name}_{tool.name}" if toolset.server_name else tool.name
                 if name in self.tools:

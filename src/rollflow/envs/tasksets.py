@@ -5,24 +5,24 @@ The taskset is loaded with verifiers' own loader (`ID` names the installed modul
 its `Taskset` subclass in `__all__`; `taskset_args` are fields of its `TasksetConfig`), and its
 tasks are the run's prompts: each task's system prompt and prompt, under the id
 `ID-<the task's key>` (verifiers' stable task identity), in the run's seeded resumable order.
-rollflow plays each task as verifiers' null harness does (the model, and the task's tools if it has
-any, with no program in between), generating every turn itself like any sample (streamed,
+rollflow plays each task as verifiers' null harness does (the model, and the task's tools if it
+has any, with no program in between), generating every turn itself like any sample (streamed,
 per-token versions). A task without tools is one reply. A task with tool servers (`toolsets`, the
 taskset's and the task's own) is a tool loop: the tools are served in-process
-(`rollflow.envs.task_tools`) and shown to the chat template; each turn's Hermes `<tool_call>`s are
-run and their results come back as tool messages (in the sequence, out of the loss), until a turn
-calls no tool, `env.max_turns` turns or the episode's tokens run out. Then rollflow builds the
-episode's `vf.Trace` (every turn, its tool calls and results, as its message graph) and scores it
-in-process with the task's own `@vf.reward`s, `@vf.metric`s and judges (`Task.score`): the
-weighted sum of the rewards is the episode's reward, reported under the taskset's id, and each
-reward's score and each metric go to `Sample.env_metrics` (metrics.jsonl `env_metrics`). A
-signal that needs a runtime (a sandbox) is skipped by verifiers; when no reward is left, or a
-reward raises, returns something that is not a finite number or runs past `env.step_timeout_s`,
-the episode is unscorable with the reason.
+(`rollflow.envs.task_tools`; one at a URL is called there) and shown to the chat template; each
+turn's Hermes `<tool_call>`s are run and their results come back as tool messages (in the
+sequence, out of the loss), until a turn calls no tool, `env.max_turns` turns or the episode's
+tokens run out. Then rollflow builds the episode's `vf.Trace` (every turn, its tool calls and
+results, as its message graph) and scores it in-process with the task's own `@vf.reward`s,
+`@vf.metric`s and judges (`Task.score`): the weighted sum of the rewards is the episode's reward,
+reported under the taskset's id, and each reward's score and each metric go to
+`Sample.env_metrics` (metrics.jsonl `env_metrics`). A signal that needs a runtime (a sandbox) is
+skipped by verifiers; when no reward is left, or a reward raises, returns something that is not a
+finite number or runs past `env.step_timeout_s`, the episode is unscorable with the reason.
 
 Supported from verifiers `SUPPORTED` (tested with 0.3.1 and 0.4.0). Refused at start, naming what:
 a taskset whose package runs its own `Env` or ships its own harness (a program), tasks that need
-a container, toolsets rollflow cannot serve in-process (`task_tools.check_toolsets`), an infinite
+a container, toolsets rollflow cannot serve (`task_tools.check_toolsets`), an infinite
 taskset without `max_tasks`. The library is imported lazily; without it, one error names the extra.
 """
 
