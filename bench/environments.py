@@ -3,15 +3,17 @@
 the run's OpenAI-compatible endpoint), as episodes of an OpenEnv environment (a session with
 its server: reset, the model's turn, step), as episodes of a TRL environment class (an
 instance, its reset, the model's turn with the tools shown, its get_reward), and as episodes of
-a verifiers v1 taskset (the model's turn, its `vf.Trace`, the task's own rewards), alternating for
-several rounds in one run.
+a verifiers v1 taskset (the model's turn, its `vf.Trace`, the task's own rewards), and as episodes
+of a v1 taskset whose tasks bring a toolset (calc-taskset: the toolset set up per episode on an
+in-process MCP server, its tools shown), alternating for several rounds in one run.
 
 Every path samples the same number of tokens per question (ignore_eos, fixed max_tokens) on one
 in-process engine of the tiny model; the adapters add what they are: verifiers' rollout, the HTTP
 round trip and the episode's recording for the one, a WebSocket session per episode with the
 OpenEnv server (started by the bench, as `env.openenv_server` does) for the other. Prints a table
 per adapter, each ending with its RESULT line, `RESULT verifiers_ratio=<x>`, `RESULT
-openenv_ratio=<y>`, `RESULT factory_ratio=<z>` and `RESULT taskset_ratio=<w>` (median over
+openenv_ratio=<y>`, `RESULT factory_ratio=<z>`, `RESULT taskset_ratio=<w>` and `RESULT
+tools_taskset_ratio=<v>` (median over
 rounds of the adapter's tokens/s divided by `rollout()`'s; 1.0 = no cost).
 
     bin/dev python bench/environments.py [--requests 32] [--tokens 128] [--rounds 12]
@@ -124,6 +126,15 @@ async def main(args: argparse.Namespace) -> None:
                task=r.task, metadata=r.metadata)
         for r in taskset.rows()
     ]  # fmt: skip
+    tools = TasksetEpisodes(
+        VerifiersEnvConfig(taskset="calc-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens),
+        args.model,
+    )
+    tool_prompts = [
+        Prompt(id=r.id, token_ids=chat.tokens(chat.render(r.messages)), messages=r.messages, answer=r.answer,
+               task=r.task, metadata=r.metadata)
+        for r in tools.rows()
+    ]  # fmt: skip
     try:
         await engine.start()
         await server.start()
@@ -133,6 +144,8 @@ async def main(args: argparse.Namespace) -> None:
         await openenv(engine, chat, spec, source, prompts[:4], "warmup")
         await episodes_of(engine, chat, spec, trl, prompts[:4], "warmup")
         await episodes_of(engine, chat, spec, taskset, task_prompts[:4], "warmup")
+        await tools.start()
+        await episodes_of(engine, chat, spec, tools, tool_prompts[:4], "warmup")
         through_verifiers = await alternate(
             [
                 ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
@@ -161,6 +174,13 @@ async def main(args: argparse.Namespace) -> None:
             ],
             args.rounds,
         )
+        through_tools = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
+                ("v1 tasks with tools", lambda tag: episodes_of(engine, chat, spec, tools, tool_prompts, tag)),
+            ],
+            args.rounds,
+        )
     finally:
         await env.aclose()
         await source.aclose()
@@ -170,6 +190,7 @@ async def main(args: argparse.Namespace) -> None:
     report(*through_openenv, args, "openenv_ratio")
     report(*through_factory, args, "factory_ratio")
     report(*through_taskset, args, "taskset_ratio")
+    report(*through_tools, args, "tools_taskset_ratio")
 
 
 if __name__ == "__main__":

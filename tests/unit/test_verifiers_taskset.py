@@ -180,11 +180,19 @@ TASKSETS = {
             @vf.tool
             async def echo(self, text: str) -> str:
                 \"\"\"Say it back.\"\"\"
-                return text
+                return f"{self.prompt}/{text}"
+
+            @vf.tool
+            def wait(self, seconds: float) -> str:
+                \"\"\"Block for a while (a sync tool).\"\"\"
+                import time
+                time.sleep(seconds)
+                return self.prompt
 
             async def setup_task(self, task) -> None:
                 if task.data.prompt == "broken setup":
                     raise OSError("the index is missing")
+                self.prompt = task.data.prompt
 
         class ToolTask(vf.Task):
             @classmethod
@@ -201,7 +209,7 @@ TASKSETS = {
                 return [Shared(vf.ToolsetConfig())]
 
             def load(self):
-                for i, prompt in enumerate(["look things up", "broken setup"]):
+                for i, prompt in enumerate(["look things up", "broken setup", "another task"]):
                     yield ToolTask(vf.TaskData(idx=i, prompt=prompt), self.config.task)
 
         __all__ = ["ToolTasks"]
@@ -440,7 +448,7 @@ async def test_the_tasksets_own_tools_and_the_tasks_are_both_there_and_errors_re
                                                          strict=True) if m == 0])
     assert sample.unscorable is None and sample.turns == 5
     assert "3.14" in tool_text and "error: Error executing tool lookup: 'e'" in tool_text and "hi" in tool_text
-    assert "error: unknown tool 'nope' (tools: lookup, own_echo)" in tool_text
+    assert "error: unknown tool 'nope' (tools: lookup, own_echo, own_wait)" in tool_text
     assert sample.process_rewards == [(sample.num_tokens - 1, 4.0)]  # four tool results in the trace
 
 
@@ -498,3 +506,32 @@ async def test_a_toolset_at_a_url_is_called_there_over_mcp(chat, search_server):
     assert sample.unscorable is None and sample.turns == 3
     assert "3 results for cats" in tool_text and "error: Error executing tool search: no results" in tool_text
     assert sample.process_rewards == [(sample.num_tokens - 1, 2.0)]
+
+
+@pytest.mark.usefixtures("tasksets")
+async def test_concurrent_episodes_call_their_own_toolset_instances_and_a_sync_tool_never_holds_the_loop(chat):
+    """Each episode's task toolset is its own instance (set up for its task), though the class's tools
+    are registered once; a blocking sync tool runs on a worker thread."""
+    episodes = source(taskset="ts-tools")
+    await episodes.start()
+    gaps, ticking = [], True
+
+    async def ticker():
+        last = asyncio.get_running_loop().time()
+        while ticking:
+            await asyncio.sleep(0.01)
+            now = asyncio.get_running_loop().time()
+            gaps.append(now - last)
+            last = now
+
+    clock = asyncio.create_task(ticker())
+    one, two = await asyncio.gather(
+        play(episodes, chat, [call("own_wait", seconds=0.6), "done"], i=0, max_tokens=900),
+        play(episodes, chat, [call("own_echo", text="x"), "done"], i=2, max_tokens=900),
+    )
+    ticking = False
+    await clock
+    texts = [chat.tokenizer.decode([t for t, m in zip(s.completion_token_ids, s.loss_mask, strict=True) if m == 0])
+             for s in (one, two)]
+    assert "look things up" in texts[0] and "another task/x" in texts[1] and "another task" not in texts[0]
+    assert max(gaps) < 0.4, f"the event loop was held {max(gaps):.2f} s"

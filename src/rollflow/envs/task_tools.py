@@ -3,8 +3,9 @@ reached at their URL.
 
 verifiers runs each toolset as an MCP server program, and a harness program that connects the
 model to it. rollflow registers the same toolset on an in-process MCP server object (the
-registration verifiers' own server does, `Toolset.register`) and calls its tools directly: no
-subprocess, no port, nothing installed at run time. The model sees each tool as verifiers'
+registration verifiers' own server does, `Toolset.register`, once per toolset class, each call
+made on the calling episode's instance) and calls its tools directly: no subprocess, no port,
+nothing installed at run time; a sync tool runs on a worker thread. The model sees each tool as verifiers'
 harnesses advertise it, `<server>_<tool>` (bare when the toolset's `TOOL_PREFIX` is None), with the
 schema MCP derives from its signature and its docstring as description. A call's answer is the
 text of its result; a tool that raises, gets arguments its signature refuses, or runs past its
@@ -23,8 +24,13 @@ This module does not play episodes (`rollflow.envs.tasksets`).
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import copy
+import functools
+import inspect
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -97,6 +103,43 @@ class _Remote:
         return result
 
 
+_CURRENT: contextvars.ContextVar[dict[type, Any]] = contextvars.ContextVar("rollflow_toolsets")
+"""The calling episode's instance of each toolset class."""
+
+_SERVERS: dict[type, Any] = {}
+"""Toolset class -> its in-process MCP server."""
+
+
+def _class_server(toolset: Any) -> Any:
+    """The in-process MCP server of `toolset`'s class: registered once, by the class's own
+    `register` (building a tool's argument model takes milliseconds, too long to repeat per
+    episode), on a copy whose calls go to the calling episode's instance of the class (`_CURRENT`).
+    A sync tool runs on a worker thread, so a slow one never holds the event loop."""
+    cls = type(toolset)
+    if cls not in _SERVERS:
+        prototype = copy.copy(toolset)
+        prototype._with_state = functools.partial(_dispatch, cls)  # register wraps each tool with it
+        server = _mcp_server(toolset.server_name or cls.__name__)
+        prototype.register(server)
+        _SERVERS[cls] = server
+    return _SERVERS[cls]
+
+
+def _dispatch(cls: type, fn: Callable[..., Any]) -> Callable[..., Any]:
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        instance = _CURRENT.get()[cls]
+        method = getattr(instance, name)
+        if inspect.iscoroutinefunction(method):
+            return await instance._with_state(method)(*args, **kwargs)
+        return await asyncio.to_thread(method, *args, **kwargs)  # stateless (check_toolsets): no state to sync
+
+    call.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    return call
+
+
 class ToolServers:
     """Toolsets registered on in-process MCP servers: their tools' chat schemas and calls."""
 
@@ -106,6 +149,8 @@ class ToolServers:
         """The tools as the chat template shows them (OpenAI function schemas)."""
         self.tools: dict[str, Tool] = {}
         """advertised name -> the call"""
+        self.instances: dict[type, Any] = {}
+        """Toolset class -> the instance its tools run on."""
 
     async def start(self, task: Any = None) -> None:
         """Set each toolset up (for `task`, when given) and learn its tools."""
@@ -118,8 +163,8 @@ class ToolServers:
                 await toolset.setup()
                 if task is not None:
                     await toolset.setup_task(task)
-                server = _mcp_server(toolset.server_name or type(toolset).__name__)
-                toolset.register(server)
+                server = _class_server(toolset)
+                self.instances[type(toolset)] = toolset
             for tool in await server.list_tools():
                 name = f"{toolset.server_name}_{tool.name}" if toolset.server_name else tool.name
                 if name in self.tools:
@@ -129,19 +174,22 @@ class ToolServers:
                 if tool.description:
                     function["description"] = tool.description
                 self.schemas.append({"type": "function", "function": function})
-                self.tools[name] = _caller(server, tool.name)
+                self.tools[name] = _caller(server, tool.name, self.instances)
 
     async def call(self, call: ToolCall, timeout_s: float) -> str:
         """The answer to one tool call (an error text when it fails)."""
         return await call_tool(self.tools, call, timeout_s)
 
 
-def _caller(server: Any, tool: str) -> Tool:
+def _caller(server: Any, tool: str, instances: dict[type, Any]) -> Tool:
     async def run(**arguments: Any) -> str:
+        token = _CURRENT.set(instances)
         try:
             result = await server.call_tool(tool, arguments)
         except Exception as err:  # the server's own error text, as it answers a remote caller
             return f"error: {err}"
+        finally:
+            _CURRENT.reset(token)
         return _text(result)
 
     return run
