@@ -266,6 +266,72 @@ TASKSETS = {
 
         __all__ = ["SearchTasks", "Search"]
     """,
+    "ts_stops": """
+        import verifiers.v1 as vf
+
+        class Lookup(vf.Toolset[vf.ToolsetConfig, vf.State]):
+            TOOL_PREFIX = None
+
+            @vf.tool
+            def lookup(self, key: str) -> str:
+                \"\"\"Look a key up.\"\"\"
+                return key.upper()
+
+        class StopTask(vf.Task):
+            @classmethod
+            def toolsets(cls, config):
+                return [Lookup(vf.ToolsetConfig())]
+
+            @vf.stop
+            async def submitted(self, response: vf.Response) -> bool:
+                return "SUBMIT" in (response.message.content or "")
+
+            @vf.stop
+            async def two_turns(self, trace: vf.Trace) -> bool:
+                return len(trace.assistant_messages) >= 2
+
+            @vf.reward
+            async def turns(self, trace: vf.Trace) -> float:
+                return float(trace.num_turns)
+
+            @vf.metric
+            async def by_submit(self, trace: vf.Trace) -> float:
+                return float(trace.stop_condition == "submitted")
+
+        class StopTasks(vf.Taskset[StopTask, vf.TasksetConfig]):
+            def load(self):
+                yield StopTask(vf.TaskData(idx=0, prompt="find it"), self.config.task)
+
+        __all__ = ["StopTasks"]
+    """,
+    "ts_intercept": """
+        import verifiers.v1 as vf
+
+        class Rewriting(vf.Task):
+            @vf.intercept
+            async def shorten(self, response: vf.Response) -> vf.Response:
+                return response
+
+        class RewriteTasks(vf.Taskset[Rewriting, vf.TasksetConfig]):
+            def load(self):
+                yield Rewriting(vf.TaskData(idx=0, prompt="go"), self.config.task)
+
+        __all__ = ["RewriteTasks"]
+    """,
+    "ts_request_stop": """
+        import verifiers.v1 as vf
+
+        class Watching(vf.Task):
+            @vf.stop
+            async def long_prompt(self, request: vf.Request) -> bool:
+                return False
+
+        class WatchTasks(vf.Taskset[Watching, vf.TasksetConfig]):
+            def load(self):
+                yield Watching(vf.TaskData(idx=0, prompt="go"), self.config.task)
+
+        __all__ = ["WatchTasks"]
+    """,
     "ts_container_tools": """
         import verifiers.v1 as vf
 
@@ -326,6 +392,8 @@ async def test_a_task_whose_rewards_all_need_a_runtime_is_unscorable_saying_so(c
     ({"taskset": "ts-own-harness"}, "'ts-own-harness' ships its own harness (ts-own-harness), a program"),
     ({"taskset": "ts-stateful-tools"}, "its toolset Counter keeps state across calls (Counts)"),
     ({"taskset": "ts-container-tools"}, "its toolset Browser runs in a DockerConfig runtime"),
+    ({"taskset": "ts-intercept"}, "its tasks' @vf.intercept hooks (shorten) rewrite model calls"),
+    ({"taskset": "ts-request-stop"}, "its @vf.stop long_prompt reads the model request"),
 ])
 def test_what_cannot_be_trained_is_refused_at_start_naming_it(settings, wanted):
     with pytest.raises(ConfigError) as err:
@@ -535,3 +603,16 @@ async def test_concurrent_episodes_call_their_own_toolset_instances_and_a_sync_t
              for s in (one, two)]
     assert "look things up" in texts[0] and "another task/x" in texts[1] and "another task" not in texts[0]
     assert max(gaps) < 0.4, f"the event loop was held {max(gaps):.2f} s"
+
+
+@pytest.mark.usefixtures("tasksets")
+async def test_the_tasks_stops_end_the_loop_on_a_response_or_on_the_trace_before_the_next_turn(chat):
+    episodes = source(taskset="ts-stops")
+    submitted = await play(episodes, chat, [f"SUBMIT {call('lookup', key='a')}", "never"], max_tokens=900)
+    assert submitted.unscorable is None and submitted.turns == 1 and set(submitted.loss_mask) == {1}  # no tool ran
+    assert submitted.process_rewards == [(submitted.num_tokens - 1, 1.0)] and submitted.env_metrics["by_submit"] == 1
+    looked = await play(episodes, chat, [call("lookup", key="a"), call("lookup", key="b"), "never"], max_tokens=900)
+    tool_text = chat.tokenizer.decode([t for t, m in zip(looked.completion_token_ids, looked.loss_mask,
+                                                         strict=True) if m == 0])
+    assert looked.unscorable is None and looked.turns == 2 and "A" in tool_text and "B" not in tool_text
+    assert looked.process_rewards == [(looked.num_tokens - 1, 2.0)] and looked.env_metrics["by_submit"] == 0

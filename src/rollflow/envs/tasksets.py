@@ -120,7 +120,34 @@ def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> tuple
         raise ConfigError(f"env.taskset: loading {taskset_id!r}'s tasks raised {type(err).__name__}: {err}") from None
     if not tasks:
         raise DataError(f"env.taskset: {taskset_id!r} has no tasks")
+    _check_hooks(tasks[0], f"env.taskset: {taskset_id!r}")
     return tasks, cls.toolsets(config)
+
+
+def _check_hooks(task: Any, name: str) -> None:
+    """ConfigError for a task hook rollflow cannot honour: an `@vf.intercept` (it rewrites model
+    calls: what the model sampled would not be what is trained), a `@vf.stop` that reads the model
+    request (rollflow builds none), a hook verifiers itself would refuse."""
+    from verifiers.v1.session import hook_boundary
+    from verifiers.v1.types import Request
+    from verifiers.v1.utils.decorators import discover_decorated
+
+    rewrites = [fn.__name__ for fn in discover_decorated(task, "intercept")]
+    if rewrites:
+        raise ConfigError(
+            f"{name}: its tasks' @vf.intercept hooks ({', '.join(rewrites)}) rewrite model calls, so the tokens "
+            "trained would not be the ones sampled; rollflow trains tasks without them"
+        )
+    for stop in task.hooks("stop"):
+        try:
+            boundary = hook_boundary(stop, allow_trace=True)
+        except TypeError as err:
+            raise ConfigError(f"{name}: {err}") from None
+        if boundary is Request:
+            raise ConfigError(
+                f"{name}: its @vf.stop {stop.__name__} reads the model request, which rollflow does not build; "
+                "a stop that reads the Trace or the Response works"
+            )
 
 
 def _check_trainable(vf: Any, taskset_id: str, cls: Any, config: Any, env_cls: Any, max_tasks: int) -> None:
@@ -175,6 +202,10 @@ class TaskEpisode:
         """Each model turn: (how many messages of `history` came before it, its message, its finish reason)."""
         self.metrics: dict[str, float] = {}
         self.scored = False
+        from verifiers.v1.session import hook_boundary
+
+        self.stops = [(hook_boundary(fn, allow_trace=True), fn) for fn in task.hooks("stop")]
+        """The task's `@vf.stop`s (a Response's, after each turn; a Trace's, before each later turn)."""
 
     async def reset(self, prompt: Prompt) -> list[Message]:
         import verifiers.v1 as vf
@@ -197,12 +228,29 @@ class TaskEpisode:
         reply = vf.AssistantMessage(content=content, tool_calls=tool_calls or None)
         self.replies.append((len(self.history), reply, turn.finish_reason))
         self.history.append(reply)
-        if not calls or turn.finish_reason == "length" or self.tools is None:
-            return EnvStep(reward=await self.score("length" if turn.finish_reason == "length" else "completed"),
-                           done=True)  # fmt: skip
+        stopped = await self._stopped(vf.Response, self._response(len(self.replies) - 1))
+        if stopped or not calls or turn.finish_reason == "length" or self.tools is None:
+            ended = stopped or ("length" if turn.finish_reason == "length" else "completed")
+            return EnvStep(reward=await self.score(ended), done=True)
         results = [await self.tools.call(c, self.tool_timeout_s) for c in calls]
         self.history += [vf.ToolMessage(tool_call_id=t.id, content=r) for t, r in zip(tool_calls, results, strict=True)]
+        stopped = await self._stopped(vf.Trace, self.trace(None)) if self.stops else None
+        if stopped:  # before the next turn, as verifiers checks them before serving a model call
+            return EnvStep(reward=await self.score(stopped), done=True)
         return EnvStep(messages=[Message(role="tool", content=r) for r in results])
+
+    async def _stopped(self, boundary: type, value: Any) -> str | None:
+        """The name of the first of the task's stops at `boundary` that fires on `value`."""
+        from verifiers.v1.session import call_hook
+
+        for kind, stop in self.stops:
+            if kind is boundary:
+                fired = await call_hook(stop, {boundary: value})
+                if not isinstance(fired, bool):
+                    raise TypeError(f"@vf.stop {stop.__name__} returned {shown(fired)}, expected a bool")
+                if fired:
+                    return stop.__name__
+        return None
 
     async def score(self, stop: str) -> float:
         """The task's score of the episode so far, which ended with `stop` (verifiers' stop condition)."""
@@ -211,24 +259,34 @@ class TaskEpisode:
         self.scored = True
         return self.reward(trace)
 
-    def trace(self, stop: str) -> Any:
-        """The episode as verifiers records it: the task, and every turn in its message graph."""
+    def trace(self, stop: str | None) -> Any:
+        """The episode as verifiers records it: the task, its state, and every turn in its message
+        graph; ended with `stop` when given."""
         import verifiers.v1 as vf
         from verifiers.v1.graph import prepare_turn
+        from verifiers.v1.state import state_cls
 
         task = self.task
         trace = vf.Trace(
             task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
             agent=vf.AgentInfo(config=vf.AgentConfig(), name="policy"),
+            state=state_cls(type(task))(),
         )
-        for i, (before, message, finish) in enumerate(self.replies):
-            reply = vf.Response(
-                id=f"turn-{i}", created=int(time.time()), model=self.model, message=message,
-                finish_reason="tool_calls" if message.tool_calls and finish != "length" else finish,
-            )  # fmt: skip
-            prepare_turn(trace, self.history[:before]).commit(reply)
-        trace.stop(stop)
+        for i, (before, _, _) in enumerate(self.replies):
+            prepare_turn(trace, self.history[:before]).commit(self._response(i))
+        if stop is not None:
+            trace.stop(stop)
         return trace
+
+    def _response(self, i: int) -> Any:
+        """Turn `i` as verifiers records a model response."""
+        import verifiers.v1 as vf
+
+        _, message, finish = self.replies[i]
+        return vf.Response(
+            id=f"turn-{i}", created=int(time.time()), model=self.model, message=message,
+            finish_reason="tool_calls" if message.tool_calls and finish != "length" else finish,
+        )  # fmt: skip
 
     def reward(self, trace: Any) -> float:
         """The weighted sum of the task's rewards, after checking each; its scores and metrics kept."""
