@@ -98,6 +98,15 @@ async def episodes_of(engine, chat, spec, source: EpisodeSource, prompts, tag: s
     return sum(sum(s.loss_mask) for s in samples)
 
 
+def prompts_of(chat, rows) -> list[Prompt]:
+    """A source's rows as prompts, rendered with the chat template."""
+    return [
+        Prompt(id=r.id, token_ids=chat.tokens(chat.render(r.messages)), messages=r.messages, answer=r.answer,
+               task=r.task, metadata=r.metadata)
+        for r in rows
+    ]  # fmt: skip
+
+
 async def main(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(EXAMPLES))
     import openenv_sums
@@ -108,12 +117,7 @@ async def main(args: argparse.Namespace) -> None:
     chat = ChatFormat(load_tokenizer(path))
     spec = SamplingSpec(temperature=1.0, max_tokens=args.tokens, ignore_eos=True)
     env = VerifiersEnv("vf-sums", {"n": args.requests})
-    rows = env.rows()
-    prompts = [
-        Prompt(id=r.id, token_ids=chat.tokens(chat.render(r.messages)), messages=r.messages, answer=r.answer,
-               task=r.task, metadata=r.metadata)
-        for r in rows
-    ]
+    prompts = prompts_of(chat, env.rows())
     server = AgentServer(args.model, spec)
     source = OpenEnvSource(openenv_sums.SumsClient, server="openenv_sums:app", sessions=args.requests)
     trl = episodes(FactoryEnvConfig(max_turns=1, max_tokens=args.tokens), Config(), trl_envs.SubmitEnv)
@@ -121,20 +125,12 @@ async def main(args: argparse.Namespace) -> None:
         VerifiersEnvConfig(taskset="sums-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens),
         args.model,
     )
-    task_prompts = [
-        Prompt(id=r.id, token_ids=chat.tokens(chat.render(r.messages)), messages=r.messages, answer=r.answer,
-               task=r.task, metadata=r.metadata)
-        for r in taskset.rows()
-    ]  # fmt: skip
+    task_prompts = prompts_of(chat, taskset.rows())
     tools = TasksetEpisodes(
         VerifiersEnvConfig(taskset="calc-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens),
         args.model,
     )
-    tool_prompts = [
-        Prompt(id=r.id, token_ids=chat.tokens(chat.render(r.messages)), messages=r.messages, answer=r.answer,
-               task=r.task, metadata=r.metadata)
-        for r in tools.rows()
-    ]  # fmt: skip
+    tool_prompts = prompts_of(chat, tools.rows())
     try:
         await engine.start()
         await server.start()
