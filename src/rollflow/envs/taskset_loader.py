@@ -1,0 +1,150 @@
+"""Loading a verifiers v1 taskset with verifiers' own loader, and refusing at start what rollflow
+cannot train, naming it (`rollflow.envs.tasksets` plays its episodes).
+
+`load_taskset` resolves the id as verifiers does (the installed module that exports its `Taskset`
+subclass in `__all__`; `taskset_args` are fields of its `TasksetConfig`), checks the taskset and
+its tasks' hooks, and returns its tasks and its own toolsets. Refused, each with a ConfigError: an
+unknown id (with close module names), arguments its config rejects, a module that cannot load or
+calls `sys.exit`, a taskset whose package runs its own `Env` or ships its own harness (a program),
+tasks that need a container, `@vf.intercept` hooks and stops that read the model request,
+toolsets rollflow cannot serve (`task_tools.check_toolsets`), an infinite taskset without
+`max_tasks`. `task_messages` reads a task's opening as rollflow messages. The library is imported
+lazily; without it, one error names the extra.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from typing import Any
+
+from rollflow.envs.task_tools import check_toolsets
+from rollflow.errors import ConfigError, DataError
+from rollflow.records import Message
+
+SUPPORTED = (0, 3, 1), (0, 5, 0)
+"""verifiers versions whose v1 tasksets this adapter runs: at least the first, below the second."""
+
+ROLES = {"system", "user", "assistant"}
+"""Roles a task's prompt may hold (text only)."""
+
+
+def _v1() -> Any:
+    """`verifiers.v1`, or ConfigError saying what to install."""
+    from rollflow.agent.verifiers import check_version
+
+    check_version("env.taskset", SUPPORTED, "v1 tasksets", "a newer verifiers is not tested with rollflow yet")
+    import verifiers.v1 as vf
+
+    return vf
+
+
+def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> tuple[list[Any], list[Any]]:
+    """The taskset's tasks (its first `max_tasks`, 0: all) and its own toolsets (shared by its
+    tasks), checked: ConfigError naming what cannot be trained here."""
+    vf = _v1()
+    from pydantic import ValidationError
+    from verifiers.v1.utils import loaders
+
+    from rollflow.agent.verifiers import _close_modules
+
+    module = taskset_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+    builtin = f"verifiers.v1.tasksets.{module}"
+    if not module.isidentifier() or (
+        importlib.util.find_spec(module) is None and importlib.util.find_spec(builtin) is None
+    ):
+        close = _close_modules(module)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise ConfigError(f"env.taskset: no verifiers taskset {taskset_id!r} is installed (no module {module!r}){hint}")
+    try:
+        cls = loaders.taskset_class(taskset_id)
+        config_type = loaders.taskset_config_type(taskset_id)
+        env_cls = loaders.environment_class(taskset_id)
+        harness = loaders.default_harness_id(taskset_id)
+    except SystemExit as err:
+        raise ConfigError(f"env.taskset: importing {taskset_id!r} called sys.exit({err.code!r})") from None
+    except Exception as err:  # verifiers' own explanation (no __all__, no Taskset subclass, an import error)
+        raise ConfigError(f"env.taskset: {taskset_id!r} could not be loaded: {type(err).__name__}: {err}") from None
+    try:
+        config = config_type.model_validate({**args, "id": taskset_id})
+    except ValidationError as err:
+        raise ConfigError(f"env.taskset_args: not a valid {config_type.__name__}: {err}") from None
+    _check_trainable(vf, taskset_id, cls, config, env_cls, max_tasks)
+    if harness != "bash":  # verifiers' fallback: the taskset ships no harness of its own
+        raise ConfigError(
+            f"env.taskset: {taskset_id!r} ships its own harness ({harness}), a program its tasks run through; "
+            "rollflow plays tasks with the model and their tools alone"
+        )
+    try:
+        tasks = list(itertools.islice(cls(config), max_tasks or None))
+    except SystemExit as err:
+        raise ConfigError(f"env.taskset: loading {taskset_id!r} called sys.exit({err.code!r})") from None
+    except Exception as err:
+        raise ConfigError(f"env.taskset: loading {taskset_id!r}'s tasks raised {type(err).__name__}: {err}") from None
+    if not tasks:
+        raise DataError(f"env.taskset: {taskset_id!r} has no tasks")
+    _check_hooks(tasks[0], f"env.taskset: {taskset_id!r}")
+    return tasks, cls.toolsets(config)
+
+
+def _check_hooks(task: Any, name: str) -> None:
+    """ConfigError for a task hook rollflow cannot honour: an `@vf.intercept` (it rewrites model
+    calls: what the model sampled would not be what is trained), a `@vf.stop` that reads the model
+    request (rollflow builds none), a hook verifiers itself would refuse."""
+    from verifiers.v1.session import hook_boundary
+    from verifiers.v1.types import Request
+    from verifiers.v1.utils.decorators import discover_decorated
+
+    rewrites = [fn.__name__ for fn in discover_decorated(task, "intercept")]
+    if rewrites:
+        raise ConfigError(
+            f"{name}: its tasks' @vf.intercept hooks ({', '.join(rewrites)}) rewrite model calls, so the tokens "
+            "trained would not be the ones sampled; rollflow trains tasks without them"
+        )
+    for stop in task.hooks("stop"):
+        try:
+            boundary = hook_boundary(stop, allow_trace=True)
+        except TypeError as err:
+            raise ConfigError(f"{name}: {err}") from None
+        if boundary is Request:
+            raise ConfigError(
+                f"{name}: its @vf.stop {stop.__name__} reads the model request, which rollflow does not build; "
+                "a stop that reads the Trace or the Response works"
+            )
+
+
+def _check_trainable(vf: Any, taskset_id: str, cls: Any, config: Any, env_cls: Any, max_tasks: int) -> None:
+    name = f"env.taskset: {taskset_id!r}"
+    if env_cls is not vf.SingleAgentEnv:
+        raise ConfigError(
+            f"{name} runs its own environment program ({env_cls.__name__}: multi-turn, through a harness); "
+            "rollflow plays a task with the model and its tools alone (verifiers' SingleAgentEnv)"
+        )
+    task_type = cls.task_type()
+    if task_type.NEEDS_CONTAINER:
+        raise ConfigError(f"{name}: its tasks ({task_type.__name__}) need a container, which rollflow does not run")
+    check_toolsets([*cls.toolsets(config), *task_type.toolsets(config.task)], name)
+    if cls.INFINITE and not max_tasks:
+        raise ConfigError(f"{name} is infinite: give env.max_tasks, how many of its tasks to read")
+
+
+def task_messages(task: Any, where: str) -> list[Message]:
+    """A task's opening as rollflow messages: its system prompt, then its prompt (text or text
+    messages); DataError naming the task otherwise."""
+    from verifiers.v1.types import content_text
+
+    data = task.data
+    messages = [Message(role="system", content=data.system_prompt)] if data.system_prompt else []
+    prompt = data.prompt
+    if isinstance(prompt, str):
+        messages.append(Message(role="user", content=prompt))
+    else:
+        for message in prompt or []:
+            content = message.content
+            text_only = isinstance(content, str) or all(part.type == "text" for part in content or [])
+            if message.role not in ROLES or not text_only:
+                raise DataError(f"{where}: only text system/user/assistant messages are supported, got {message!r:.80}")
+            messages.append(Message(role=message.role, content=content_text(content)))
+    if not any(m.role == "user" for m in messages):
+        raise DataError(f"{where}: the task has no user prompt (a task the user opens is not supported)")
+    return messages
