@@ -26,7 +26,7 @@ import json
 import secrets
 from typing import Any
 
-from rollflow.agent.dialect import check_run_settings, function_tool, positive, stop_sequences
+from rollflow.agent.dialect import check_run_settings, function_tool, positive, stop_sequences, tool_list
 from rollflow.agent.episode import BadRequest, Reply
 from rollflow.records import SamplingSpec
 
@@ -64,7 +64,7 @@ def chat_call(body: dict[str, Any], model: str, sampling: SamplingSpec) -> tuple
                          "tool_choice")  # fmt: skip
     messages = _system(body.get("system")) + _conversation(body.get("messages"))
     settings = {
-        "tools": _tools(body.get("tools")),
+        "tools": tool_list(body.get("tools"), _tool),
         "max_tokens": limit,
         "seed": None,
         "parse_tools": kind != "none",
@@ -147,21 +147,14 @@ def _assistant(blocks: list[Any], param: str) -> list[dict[str, Any]]:
     return [message]
 
 
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise BadRequest("tools: expected a list of tools", "tools")
-    out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise BadRequest(f"{where}: only custom tools (name, input_schema) are supported, not {kind!r}", where)
-        if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
-            raise BadRequest(f"{where}: a tool needs a name and an input_schema object", where)
-        out.append(function_tool(tool["name"], tool["input_schema"], tool.get("description")))
-    return out or None
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    """One custom tool in the chat form."""
+    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise BadRequest(f"{where}: only custom tools (name, input_schema) are supported, not {kind!r}", where)
+    if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+        raise BadRequest(f"{where}: a tool needs a name and an input_schema object", where)
+    return function_tool(tool["name"], tool["input_schema"], tool.get("description"))
 
 
 def blocks(reply: Reply) -> list[dict[str, Any]]:

@@ -5,7 +5,7 @@ positive token budget. The dialects (`rollflow.agent.server`'s chat completions,
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from rollflow.agent.episode import BadRequest
@@ -48,6 +48,16 @@ def stop_sequences(value: Any, param: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
         raise BadRequest("expected a non-empty string or a list of them", param)
     return value
+
+
+def tool_list(tools: Any, one: Callable[[Any, str], dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """A request's tools in the chat form, each read by `one(tool, "tools[i]")` (which raises
+    `BadRequest` for one it refuses); None for none."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise BadRequest("tools: expected a list of tools", "tools")
+    return [one(tool, f"tools[{i}]") for i, tool in enumerate(tools)] or None
 
 
 def function_tool(name: str, parameters: Any, description: Any = None) -> dict[str, Any]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +35,10 @@ from typing import Any
 import msgspec
 
 from rollflow.envs import ChatFormat, EpisodeLimits, GenerateTurn
-from rollflow.envs.tools import parse_tool_calls
+from rollflow.envs.tools import split_calls
 from rollflow.records import Message, Prompt, Sample, SamplingSpec, Segment
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
 class BadRequest(Exception):
@@ -321,10 +319,9 @@ class AgentEpisode:
     def _reply(
         self, text: str, token_ids: list[int], logprobs: list[float], finish_reason: str, parse_tools: bool
     ) -> Reply:
-        calls, broken = parse_tool_calls(text) if parse_tools else ([], None)
-        if not calls or broken:  # a broken call: the agent reads the turn as the model wrote it
-            return Reply(content=text, finish_reason=finish_reason, token_ids=token_ids, logprobs=logprobs)
-        content = _CALL_BLOCK.sub("", text).strip() or None
+        content, calls = split_calls(text) if parse_tools else (text, [])
+        if not calls:
+            return Reply(content=content, finish_reason=finish_reason, token_ids=token_ids, logprobs=logprobs)
         tool_calls = [
             {
                 "id": f"call_{self.calls}_{i}",

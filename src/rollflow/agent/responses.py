@@ -26,7 +26,7 @@ import secrets
 import time
 from typing import Any
 
-from rollflow.agent.dialect import check_run_settings, function_tool, positive
+from rollflow.agent.dialect import check_run_settings, function_tool, positive, tool_list
 from rollflow.agent.episode import BadRequest, Reply
 from rollflow.records import SamplingSpec
 
@@ -62,7 +62,8 @@ def chat_call(
     opening = [{"role": "system", "content": instructions}] if instructions else []
     messages = opening + history + _items(body.get("input"))
     choice = body.get("tool_choice")
-    settings = {"tools": _tools(body.get("tools")), "max_tokens": limit, "seed": None, "parse_tools": choice != "none"}
+    tools = tool_list(body.get("tools"), _tool)
+    settings = {"tools": tools, "max_tokens": limit, "seed": None, "parse_tools": choice != "none"}
     return messages, settings
 
 
@@ -123,22 +124,15 @@ def _items(given: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise BadRequest("tools: expected a list of tools", "tools")
-    out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise BadRequest(f"{where}: only function tools are supported, not {kind!r} (built-in tools run elsewhere)",
-                             where)  # fmt: skip
-        if not isinstance(tool.get("name"), str):
-            raise BadRequest(f"{where}: a function tool needs a name", where)
-        out.append(function_tool(tool["name"], tool.get("parameters"), tool.get("description")))
-    return out or None
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    """One function tool in the chat form."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
+        raise BadRequest(f"{where}: only function tools are supported, not {kind!r} (built-in tools run elsewhere)",
+                         where)  # fmt: skip
+    if not isinstance(tool.get("name"), str):
+        raise BadRequest(f"{where}: a function tool needs a name", where)
+    return function_tool(tool["name"], tool.get("parameters"), tool.get("description"))
 
 
 def output(reply: Reply, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:

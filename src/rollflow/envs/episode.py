@@ -186,6 +186,17 @@ async def run_episode(
     )
 
 
+def failed_episode(
+    prompt: Prompt, sampling: SamplingSpec, *, group_id: str, index: int, reason: str, reward_name: str = "env"
+) -> Sample:
+    """The sample of an episode that could not start: the prompt alone, unscorable with `reason`."""
+    return Sample(
+        prompt_id=prompt.id, group_id=group_id, index=index, prompt_token_ids=prompt.token_ids,
+        completion_token_ids=[], logprobs=[], versions=[], loss_mask=[], finish_reason="stop",
+        sampling=sampling, unscorable=reason, env_reward=reward_name,
+    )  # fmt: skip
+
+
 class _EnvFailed(Exception):
     """The environment raised or timed out; the episode ends unscorable."""
 

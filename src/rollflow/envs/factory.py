@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollflow.config import Config, FactoryEnvConfig
-from rollflow.envs.episode import open_environment, run_episode
+from rollflow.envs.episode import failed_episode, open_environment, run_episode
 from rollflow.envs.protocol import EnvStep, GenerateTurn, Turn
 from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.envs.tools import call_tool, parse_tool_calls
@@ -156,11 +156,8 @@ class FactoryEpisodes(EpisodeSource):
         try:
             spec = self._class_for(prompt)
         except ValueError as err:
-            return Sample(
-                prompt_id=prompt.id, group_id=group_id, index=index, prompt_token_ids=prompt.token_ids,
-                completion_token_ids=[], logprobs=[], versions=[], loss_mask=[], finish_reason="stop",
-                sampling=context.sampling, unscorable=f"environment: {err}",
-            )  # fmt: skip
+            reason = f"environment: {err}"
+            return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=reason)
         episode = ClassEpisode(spec, await open_environment(spec.cls), self.settings.tool_timeout_s)
         self._instances.setdefault(group_id, {})[index] = episode.instance
         return await run_episode(

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from typing import Any
 
@@ -36,20 +35,18 @@ import msgspec
 
 from rollflow.config import VerifiersEnvConfig
 from rollflow.data_files import Row
-from rollflow.envs.episode import run_episode
+from rollflow.envs.episode import failed_episode, run_episode
 from rollflow.envs.protocol import EnvStep, GenerateTurn, Turn
 from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.envs.task_tools import ToolServers
 from rollflow.envs.taskset_loader import load_taskset, task_messages
-from rollflow.envs.tools import parse_tool_calls
+from rollflow.envs.tools import split_calls
 from rollflow.errors import ConfigError, DataError
 from rollflow.records import Message, Prompt, Sample
 from rollflow.scoring import finite, shown
 
 KEY = "verifiers_task"
 """The row metadata holding its task's key (prompt ids of later epochs carry a suffix)."""
-
-_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
 class Unscorable(Exception):
@@ -86,10 +83,7 @@ class TaskEpisode:
     async def step(self, turn: Turn) -> EnvStep:
         import verifiers.v1 as vf
 
-        calls, broken = parse_tool_calls(turn.text) if self.tools is not None else ([], None)
-        if broken is not None:  # a broken call: the turn is text, as the model wrote it (it ends the episode)
-            calls = []
-        content = (_CALL_BLOCK.sub("", turn.text).strip() or None) if calls else turn.text
+        content, calls = split_calls(turn.text) if self.tools is not None else (turn.text, [])
         tool_calls = [
             vf.ToolCall(id=f"call_{turn.index}_{i}", name=c.name, arguments=json.dumps(c.arguments))
             for i, c in enumerate(calls)
@@ -225,11 +219,8 @@ class TasksetEpisodes(EpisodeSource):
         limits = context.limits(self.settings)
         tools, failure = await self._tools_for(task)
         if failure is not None:
-            return Sample(
-                prompt_id=prompt.id, group_id=group_id, index=index, prompt_token_ids=prompt.token_ids,
-                completion_token_ids=[], logprobs=[], versions=[], loss_mask=[], finish_reason="stop",
-                sampling=context.sampling, unscorable=failure, env_reward=self.name,
-            )  # fmt: skip
+            return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=failure,
+                                  reward_name=self.name)  # fmt: skip
         if tools is None:
             limits = msgspec.structs.replace(limits, max_turns=1)
         episode = TaskEpisode(task, self.model, tools, self.settings.step_timeout_s)

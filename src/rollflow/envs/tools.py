@@ -51,6 +51,16 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], str | None]:
     return calls, None
 
 
+def split_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """A turn as a reply: (its text without the call blocks, None when nothing else is left; its
+    calls), or (the whole text, no calls) when it has none or one of them is broken, so the model's
+    mistake is read as it wrote it."""
+    calls, broken = parse_tool_calls(text)
+    if not calls or broken is not None:
+        return text, []
+    return _CALL.sub("", text).strip() or None, calls
+
+
 async def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float) -> str:
     """Run one call; its result, or an error text that says what went wrong."""
     tool = tools.get(call.name)
