@@ -304,6 +304,14 @@ class VerifiersEnvConfig(EndpointConfig, frozen=True, kw_only=True, tag="verifie
     max_tasks: NonNegInt = 0
     """Read the taskset's first this many tasks (0: all of them; an infinite taskset needs a number)."""
 
+    env_id: str = ""
+    """The verifiers `Env` that plays the taskset (verifiers' `--env.id`, e.g. `"user-sim"`: a modeled
+    user talks with the policy); empty: the taskset's own, if its package has one, else one agent
+    per task."""
+
+    env_args: dict[str, Any] = {}
+    """Fields of that `Env`'s config (`EnvConfig` subclass), e.g. `{user = {max_turns = 4}}`."""
+
 
 class OpenEnvConfig(EpisodeConfig, frozen=True, kw_only=True, tag="openenv"):
     """`kind = "openenv"`: an OpenEnv environment (TRL's standard; the `openenv` extra). Each

@@ -136,6 +136,34 @@ async def test_a_history_rewrite_splits_the_episode_and_every_part_trains_with_i
     assert batch.samples[0].input_ids == segment.prompt_token_ids + segment.completion_token_ids
 
 
+async def test_calls_of_two_sessions_are_two_conversations_and_the_sample_is_one_sessions(chat, agent_server):
+    ep, _ = episode(chat, ["player one", "coach one", "player two", "coach two"])
+    key, url = agent_server.open(ep)
+    player = [{"role": "user", "content": "Guess a number."}]
+    coach = [{"role": "user", "content": "Cheer the player on."}]
+    headers = {"player": {"X-Session-ID": "player"}, "coach": {"X-Session-ID": "coach"}}
+    async with openai.AsyncOpenAI(base_url=url, api_key="unused") as client:
+        async def ask(messages, who):
+            reply = await client.chat.completions.create(model="tiny", messages=messages, extra_headers=headers[who])
+            return [*messages, {"role": "assistant", "content": reply.choices[0].message.content}]
+
+        player = await ask(player, "player")
+        coach = await ask(coach, "coach")  # interleaved: not a rewrite of the player's conversation
+        player = await ask([*player, {"role": "user", "content": "Higher."}], "player")
+        await ask([*coach, {"role": "user", "content": "Again."}], "coach")
+    agent_server.close(key)
+    assert {s: (len(lane.closed), lane.calls) for s, lane in ep.lanes.items() if s} == {"player": (0, 2), "coach": (0, 2)}
+    sample = ep.sample("g0", 0, reward=1.0, failure=None, session="player")
+    assert sample.segments == [] and sample.turns == 2
+    text = chat.tokenizer.decode(sample.completion_token_ids)
+    assert text.startswith("player one") and "Higher." in text and text.count("player two") == 1
+    assert "coach" not in text and "Cheer" not in chat.tokenizer.decode(sample.prompt_token_ids)
+    player_tokens = len(chat.tokens("player one")) + len(chat.tokens("player two")) + 2
+    assert sample.loss_mask.count(1) == player_tokens
+    # without a session named, the sample is the latest call's (the coach's)
+    assert "coach two" in chat.tokenizer.decode(ep.sample("g0", 0, reward=1.0, failure=None).completion_token_ids)
+
+
 def msgspec_replace(sample, **changes):
     import msgspec
 

@@ -11,6 +11,9 @@ so far, the model's replies as they were returned (same text, same tool calls). 
 message dropped or edited, a reply replaced, the tools changed) rewrites history: the conversation
 so far is closed as a segment and the call starts a new one. The episode's sample is its last
 conversation, with the earlier ones as its `segments` (trained with the same reward and advantage).
+Calls that name a session (`session`, the endpoint's `X-Session-ID`) are kept apart, a `Lane` of
+conversations per session, so two agents of one episode never look like rewrites of each other;
+the sample is one session's, the others are served and not trained.
 
 A reply's Hermes `<tool_call>` blocks are returned as tool calls; when one of them is broken (not
 JSON, no name), none is, and the reply is the turn's whole text, as the model wrote it.
@@ -89,6 +92,17 @@ class Conversation:
         )
 
 
+@dataclass(eq=False)
+class Lane:
+    """The calls of one session of an episode (`X-Session-ID`): its conversations and its turns."""
+
+    current: Conversation | None = None
+    closed: list[Conversation] = field(default_factory=list)
+    """Conversations ended by a history rewrite, oldest first."""
+    calls: int = 0
+    """Model turns generated."""
+
+
 def text_of(content: Any, param: str) -> str:
     """A message's text: a string, null, or a list of text parts."""
     if content is None:
@@ -160,11 +174,10 @@ class AgentEpisode:
         self.generate = generate
         self.chat = chat
         self.limits = limits
-        self.current: Conversation | None = None
-        self.closed: list[Conversation] = []
-        """Conversations ended by a history rewrite, oldest first."""
-        self.calls = 0
-        """Model turns generated."""
+        self.lanes: dict[str | None, Lane] = {None: Lane()}
+        """Each session's calls (None: calls that name no session)."""
+        self.lane: str | None = None
+        """The session of the latest call."""
         self.interruptions = 0
         self.model_tokens = 0
         """Tokens the model generated in the episode, every sequence of it."""
@@ -175,6 +188,16 @@ class AgentEpisode:
         """The episode's sample has been taken: later calls are refused and change nothing."""
         self._lock = asyncio.Lock()
 
+    @property
+    def current(self) -> Conversation | None:
+        """The latest call's conversation."""
+        return self.lanes[self.lane].current
+
+    @property
+    def calls(self) -> int:
+        """Model turns generated in the latest call's session."""
+        return self.lanes[self.lane].calls
+
     async def complete(
         self,
         messages: Any,
@@ -184,17 +207,21 @@ class AgentEpisode:
         seed: int | None = None,
         parse_tools: bool = True,
         stop: list[str] | None = None,
+        session: str | None = None,
     ) -> Reply:
-        """Answer one chat call with the model's next turn (raises `BadRequest`)."""
+        """Answer one chat call with the model's next turn (raises `BadRequest`); `session` keeps the
+        call's conversation apart from other sessions' (`X-Session-ID`)."""
         if not isinstance(messages, list) or not messages:
             raise BadRequest("expected a non-empty list of messages", "messages")
         keys = [json.dumps(tools or [], sort_keys=True), *(message_key(m, i) for i, m in enumerate(messages))]
         async with self._lock:
             self._refuse_if_ended()
-            spent = self._spent()
+            self.lane = session
+            lane = self.lanes.setdefault(session, Lane())
+            spent = self._spent(lane)
             if spent is not None:
                 return self._out_of(spent)
-            conv = self._continue(keys, tools)
+            conv = self._continue(lane, keys, tools)
             if conv is None:
                 return self._out_of("tokens")
             left, which = self._left(conv)
@@ -202,13 +229,13 @@ class AgentEpisode:
             if min(asked, left) <= 0:
                 return self._out_of(which)
             spec = msgspec.structs.replace(self.sampling, max_tokens=min(asked, left), seed=seed)
-            turn = await self.generate(conv.opening + conv.tokens, spec, self.calls)
+            turn = await self.generate(conv.opening + conv.tokens, spec, lane.calls)
             self._refuse_if_ended()  # the episode ended while its turn was generated: the turn is not its
             n, text, matched = self._cut(turn.completion_token_ids, stop or [])
             finish = "stop" if matched is not None else turn.finish_reason
             if finish == "length" and left < asked:  # the episode's budget, not the call's, cut the turn
                 self.budget = self.budget or which
-            self.calls += 1
+            lane.calls += 1
             self.model_tokens += n
             self.interruptions += turn.interruptions
             token_ids, logprobs = turn.completion_token_ids[:n], turn.logprobs[:n]
@@ -220,17 +247,17 @@ class AgentEpisode:
             raw = self.chat.tokenizer.decode(token_ids, skip_special_tokens=False)
             conv.rendered += raw
             conv.canonical.append(Message(role="assistant", content=self.chat.assistant_content(raw)))
-            reply = self._reply(text, token_ids, logprobs, finish, parse_tools)
+            reply = self._reply(text, token_ids, logprobs, finish, parse_tools, lane.calls - 1)
             returned = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
             conv.keys.append(message_key(returned, len(conv.keys)))
             return msgspec.structs.replace(
                 reply, prompt_tokens=len(conv.opening) + len(conv.tokens) - n, stop_sequence=matched
             )
 
-    def _spent(self) -> str | None:
+    def _spent(self, lane: Lane) -> str | None:
         """The budget that leaves no turn to this call, checked before it (None: there is room)."""
         limits = self.limits
-        if self.calls >= limits.max_turns:
+        if lane.calls >= limits.max_turns:
             return "turns"
         if limits.max_model_tokens and self.model_tokens >= limits.max_model_tokens:
             return "model_tokens"
@@ -279,10 +306,10 @@ class AgentEpisode:
         if self.ended:
             raise BadRequest("the episode has ended (its agent returned or timed out); this call is not part of it")
 
-    def _continue(self, keys: list[Any], tools: list[dict[str, Any]] | None) -> Conversation | None:
-        """The conversation this call extends (its new messages appended as environment tokens),
-        or a new one after a history rewrite; None when the new messages leave no room."""
-        conv = self.current
+    def _continue(self, lane: Lane, keys: list[Any], tools: list[dict[str, Any]] | None) -> Conversation | None:
+        """The conversation of `lane` this call extends (its new messages appended as environment
+        tokens), or a new one after a history rewrite; None when the new messages leave no room."""
+        conv = lane.current
         if conv is not None and len(keys) > len(conv.keys) and keys[: len(conv.keys)] == conv.keys:
             added_keys = keys[len(conv.keys) :]
             messages = conv.canonical + [canonical(k) for k in added_keys]
@@ -312,19 +339,19 @@ class AgentEpisode:
                 "messages",
             )
         if conv is not None and conv.tokens:
-            self.closed.append(conv)
-        self.current = Conversation(keys=list(keys), canonical=messages, rendered=rendered, opening=opening)
-        return self.current
+            lane.closed.append(conv)
+        lane.current = Conversation(keys=list(keys), canonical=messages, rendered=rendered, opening=opening)
+        return lane.current
 
     def _reply(
-        self, text: str, token_ids: list[int], logprobs: list[float], finish_reason: str, parse_tools: bool
+        self, text: str, token_ids: list[int], logprobs: list[float], finish_reason: str, parse_tools: bool, turn: int
     ) -> Reply:
         content, calls = split_calls(text) if parse_tools else (text, [])
         if not calls:
             return Reply(content=content, finish_reason=finish_reason, token_ids=token_ids, logprobs=logprobs)
         tool_calls = [
             {
-                "id": f"call_{self.calls}_{i}",
+                "id": f"call_{turn}_{i}",
                 "type": "function",
                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
             }
@@ -340,14 +367,18 @@ class AgentEpisode:
 
     @property
     def splits(self) -> int:
-        return len(self.closed)
+        return len(self.lanes[self.lane].closed)
 
-    def sample(self, group_id: str, index: int, *, reward: float | None, failure: str | None) -> Sample:
-        """The episode as one sample: its last conversation, earlier ones as segments; `reward`
-        (the agent's) as a process reward at its last token. The episode ends here: the sample
-        holds copies, and a call still in flight is refused when its turn comes back."""
+    def sample(
+        self, group_id: str, index: int, *, reward: float | None, failure: str | None, session: str | None = None
+    ) -> Sample:
+        """The episode as one sample: the latest call's session (or `session`), its last
+        conversation, earlier ones as segments; `reward` (the agent's) as a process reward at its last
+        token. Other sessions' calls are not trained. The episode ends here: the sample holds copies,
+        and a call still in flight is refused when its turn comes back."""
         self.ended = True
-        conv = self.current
+        lane = self.lanes.get(self.lane if session is None else session) or Lane()
+        conv = lane.current
         if conv is None:
             failure = failure or "agent: made no call to its endpoint"
         steps = [(len(conv.tokens) - 1, reward)] if conv is not None and conv.tokens and reward is not None else []
@@ -365,7 +396,7 @@ class AgentEpisode:
             interruptions=self.interruptions,
             unscorable=failure,
             process_rewards=steps,
-            turns=max(self.calls, 1),
-            segments=[c.segment() for c in self.closed],
+            turns=max(lane.calls, 1),
+            segments=[c.segment() for c in lane.closed],
             budget=self.budget,
         )

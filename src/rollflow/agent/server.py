@@ -9,6 +9,9 @@ The same routes answer at the run's one URL, `http://HOST:PORT/v1/...`, for the 
 the call carries (`Authorization: Bearer KEY` or `x-api-key: KEY`): each episode gets a random key
 of its own (`api_key`) that dies with it; a call with no key, or a wrong or expired one, is a 401
 in the dialect's error shape and never reaches another episode.
+A call with an `X-Session-ID` header belongs to that session of its episode: each session is a
+conversation of its own (a program that runs several agents in one episode, verifiers' `Env`s),
+and the episode's sample is one session's (`AgentEpisode.sample`).
 
 A chat request the run cannot honour — another model, a sampling setting other than the run's
 (the importance-sampling correction assumes the run's distribution), `n` > 1, constrained
@@ -39,6 +42,9 @@ from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Session-ID"
+"""The header naming a call's session within its episode (verifiers' clients send each rollout's id)."""
 
 _CHANGES_SAMPLING = ("frequency_penalty", "presence_penalty", "logit_bias", "response_format", "top_k", "min_p")
 
@@ -187,10 +193,12 @@ class AgentServer:
                            "invalid_api_key")  # fmt: skip
         return self._keys[secret]
 
-    async def _turn(self, episode: AgentEpisode, messages: Any, call: dict[str, Any]) -> Reply:
-        """The model's turn for the call (`BadRequest`, or `_Refused` past `call_timeout_s`)."""
+    async def _turn(self, request: web.Request, episode: AgentEpisode, messages: Any, call: dict[str, Any]) -> Reply:
+        """The model's turn for the call (`BadRequest`, or `_Refused` past `call_timeout_s`), in the
+        session its `X-Session-ID` names."""
+        session = request.headers.get(SESSION_HEADER)
         try:
-            return await asyncio.wait_for(episode.complete(messages, **call), self.call_timeout_s)
+            return await asyncio.wait_for(episode.complete(messages, session=session, **call), self.call_timeout_s)
         except TimeoutError:
             raise _Refused(
                 504, f"the model's turn took longer than {self.call_timeout_s:g} s (env.step_timeout_s)", "timeout"
@@ -199,7 +207,7 @@ class AgentServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
             _, episode, body = await self._call(request)
-            reply = await self._turn(episode, body.get("messages"), self._check(body))
+            reply = await self._turn(request, episode, body.get("messages"), self._check(body))
         except (BadRequest, _Refused) as err:
             return _openai_error(err)
         created, rid = int(time.time()), f"chatcmpl-{secrets.token_hex(12)}"
@@ -314,7 +322,7 @@ class AgentServer:
         try:
             _, episode, body = await self._call(request)
             messages, call = anthropic.chat_call(body, self.model, self.sampling)
-            reply = await self._turn(episode, messages, call)
+            reply = await self._turn(request, episode, messages, call)
         except (BadRequest, _Refused) as err:
             return _anthropic_error(err)
         if not body.get("stream"):
@@ -326,7 +334,7 @@ class AgentServer:
         try:
             key, episode, body = await self._call(request)
             messages, call = responses.chat_call(body, self.model, self.sampling, self._earlier(key, body))
-            reply = await self._turn(episode, messages, call)
+            reply = await self._turn(request, episode, messages, call)
         except (BadRequest, _Refused) as err:
             return _openai_error(err)
         include = body.get("include")

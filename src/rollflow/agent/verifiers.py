@@ -270,10 +270,12 @@ def episodes(settings: VerifiersEnvConfig, config: Config) -> EpisodeSource:
             'env: kind = "verifiers" needs one of environment = "ID" (a classic environment) or '
             'taskset = "ID" (a v1 taskset)' + (", not both" if settings.taskset else "")
         )
+    if not settings.taskset and (settings.env_id or settings.env_args):
+        raise ConfigError('env.env_id, env.env_args: an Env plays a v1 taskset; give taskset = "ID" too')
     if settings.taskset:
-        from rollflow.envs.tasksets import TasksetEpisodes
+        from rollflow.envs.tasksets import taskset_episodes
 
-        return TasksetEpisodes(settings, config.model.path)
+        return taskset_episodes(settings, config.model.path, sampling_spec(config))
 
     env = VerifiersEnv(settings.environment, settings.args)
     return AgentEpisodes(env, settings, model=config.model.path, sampling=sampling_spec(config), rows=env.rows)

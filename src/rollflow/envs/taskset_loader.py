@@ -3,12 +3,13 @@ cannot train, naming it (`rollflow.envs.tasksets` plays its episodes).
 
 `load_taskset` resolves the id as verifiers does (the installed module that exports its `Taskset`
 subclass in `__all__`; `taskset_args` are fields of its `TasksetConfig`), checks the taskset and
-its tasks' hooks, and returns its tasks and its own toolsets. Refused, each with a ConfigError: an
-unknown id (with close module names), arguments its config rejects, a module that cannot load or
-calls `sys.exit`, a taskset whose package runs its own `Env` or ships its own harness (a program),
-tasks that need a container, `@vf.intercept` hooks and stops that read the model request,
-toolsets rollflow cannot serve (`task_tools.check_toolsets`), an infinite taskset without
-`max_tasks`. `task_messages` reads a task's opening as rollflow messages. The library is imported
+its tasks' hooks, and returns its tasks, its own toolsets, and the `Env` its package runs, if it
+has one (`rollflow.envs.taskset_envs` plays those). Refused, each with a ConfigError: an unknown
+id (with close module names), arguments its config rejects, a module that cannot load or calls
+`sys.exit`, a taskset that ships its own harness (a program), a taskset with its own `Env` and
+toolsets, tasks that need a container, `@vf.intercept` hooks and stops that read the model
+request, toolsets rollflow cannot serve (`task_tools.check_toolsets`), an infinite taskset
+without `max_tasks`. `task_rows` makes the tasks the run's prompts. The library is imported
 lazily; without it, one error names the extra.
 """
 
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-from typing import Any
+from typing import Any, NamedTuple
 
+from rollflow.data_files import Row
 from rollflow.envs.task_tools import check_toolsets
 from rollflow.errors import ConfigError, DataError
 from rollflow.records import Message
@@ -27,6 +29,20 @@ SUPPORTED = (0, 3, 1), (0, 5, 0)
 
 ROLES = {"system", "user", "assistant"}
 """Roles a task's prompt may hold (text only)."""
+
+KEY = "verifiers_task"
+"""The row metadata holding its task's key (prompt ids of later epochs carry a suffix)."""
+
+
+class Taskset(NamedTuple):
+    """A loaded taskset, checked."""
+
+    tasks: list[Any]
+    """Its first `max_tasks` tasks (all of them for 0)."""
+    toolsets: list[Any]
+    """Its own toolsets, shared by its tasks."""
+    env: Any
+    """The `Env` subclass its package runs, or None (verifiers' SingleAgentEnv: one agent plays each task)."""
 
 
 def _v1() -> Any:
@@ -39,9 +55,9 @@ def _v1() -> Any:
     return vf
 
 
-def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> tuple[list[Any], list[Any]]:
-    """The taskset's tasks (its first `max_tasks`, 0: all) and its own toolsets (shared by its
-    tasks), checked: ConfigError naming what cannot be trained here."""
+def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int, env_id: str = "") -> Taskset:
+    """The taskset, checked, with the `Env` that plays it (`env_id`'s, else its own): ConfigError
+    naming what cannot be trained here."""
     vf = _v1()
     from pydantic import ValidationError
     from verifiers.v1.utils import loaders
@@ -61,6 +77,8 @@ def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> tuple
         config_type = loaders.taskset_config_type(taskset_id)
         env_cls = loaders.environment_class(taskset_id)
         harness = loaders.default_harness_id(taskset_id)
+        if env_id:
+            env_cls = _environment(env_id)
     except SystemExit as err:
         raise ConfigError(f"env.taskset: importing {taskset_id!r} called sys.exit({err.code!r})") from None
     except Exception as err:  # verifiers' own explanation (no __all__, no Taskset subclass, an import error)
@@ -84,7 +102,44 @@ def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int) -> tuple
     if not tasks:
         raise DataError(f"env.taskset: {taskset_id!r} has no tasks")
     _check_hooks(tasks[0], f"env.taskset: {taskset_id!r}")
-    return tasks, cls.toolsets(config)
+    return Taskset(tasks, cls.toolsets(config), None if env_cls is vf.SingleAgentEnv else env_cls)
+
+
+def task_rows(name: str, tasks: list[Any]) -> tuple[list[Row], dict[str, Any]]:
+    """The tasks as the run's prompts, each under the id `NAME-<the task's key>` (verifiers' stable
+    task identity), and the tasks by key; DataError for two tasks with one key."""
+    rows: list[Row] = []
+    by_key: dict[str, Any] = {}
+    for i, task in enumerate(tasks):
+        where = f"{name} task {i}"
+        if task.key in by_key:
+            raise DataError(f"{where}: its key {task.key!r} is another task's too; task keys must be unique")
+        answer = getattr(task.data, "answer", None)
+        by_key[task.key] = task
+        rows.append(
+            Row(
+                id=f"{name}-{task.key[:16]}", messages=task_messages(task, where),
+                answer=None if answer is None else str(answer), task=name, metadata={KEY: task.key}, source=where,
+            )
+        )  # fmt: skip
+    return rows, by_key
+
+
+def _environment(env_id: str) -> Any:
+    """The `Env` class `env_id` names, verifiers' built-in ones or an installed module's;
+    ConfigError naming the built-in ones otherwise."""
+    import pkgutil
+
+    import verifiers.v1.envs
+    from verifiers.v1.utils import loaders
+
+    try:
+        return loaders.environment_class("", env_id)
+    except (ModuleNotFoundError, TypeError, AttributeError) as err:
+        builtin = sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(verifiers.v1.envs.__path__))
+        raise ConfigError(
+            f"env.env_id: no verifiers environment {env_id!r} ({err}); verifiers' own are {', '.join(builtin)}"
+        ) from None
 
 
 def _check_hooks(task: Any, name: str) -> None:
@@ -115,15 +170,16 @@ def _check_hooks(task: Any, name: str) -> None:
 
 def _check_trainable(vf: Any, taskset_id: str, cls: Any, config: Any, env_cls: Any, max_tasks: int) -> None:
     name = f"env.taskset: {taskset_id!r}"
-    if env_cls is not vf.SingleAgentEnv:
-        raise ConfigError(
-            f"{name} runs its own environment program ({env_cls.__name__}: multi-turn, through a harness); "
-            "rollflow plays a task with the model and its tools alone (verifiers' SingleAgentEnv)"
-        )
     task_type = cls.task_type()
     if task_type.NEEDS_CONTAINER:
         raise ConfigError(f"{name}: its tasks ({task_type.__name__}) need a container, which rollflow does not run")
-    check_toolsets([*cls.toolsets(config), *task_type.toolsets(config.task)], name)
+    toolsets = [*cls.toolsets(config), *task_type.toolsets(config.task)]
+    if env_cls is not vf.SingleAgentEnv and toolsets:
+        raise ConfigError(
+            f"{name} runs its own environment ({env_cls.__name__}) and has toolsets; rollflow plays an "
+            "environment's agents with the model alone (tools are served to tasks that verifiers' SingleAgentEnv plays)"
+        )
+    check_toolsets(toolsets, name)
     if cls.INFINITE and not max_tasks:
         raise ConfigError(f"{name} is infinite: give env.max_tasks, how many of its tasks to read")
 

@@ -39,14 +39,11 @@ from rollflow.envs.episode import failed_episode, run_episode
 from rollflow.envs.protocol import EnvStep, GenerateTurn, Turn
 from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.envs.task_tools import ToolServers
-from rollflow.envs.taskset_loader import load_taskset, task_messages
+from rollflow.envs.taskset_loader import KEY, Taskset, load_taskset, task_rows
 from rollflow.envs.tools import split_calls
-from rollflow.errors import ConfigError, DataError
-from rollflow.records import Message, Prompt, Sample
+from rollflow.errors import ConfigError
+from rollflow.records import Message, Prompt, Sample, SamplingSpec
 from rollflow.scoring import finite, shown
-
-KEY = "verifiers_task"
-"""The row metadata holding its task's key (prompt ids of later epochs carry a suffix)."""
 
 
 class Unscorable(Exception):
@@ -152,22 +149,27 @@ class TaskEpisode:
         )  # fmt: skip
 
     def reward(self, trace: Any) -> float:
-        """The weighted sum of the task's rewards, after checking each; its scores and metrics kept."""
-        name = type(self.task).__name__
-        scored = {key: r for key, r in trace.rewards.items() if r is not None}
-        if not scored:
-            raise Unscorable(
-                f"task {name} has no reward that runs without a runtime (verifiers skips those that need "
-                "a sandbox; rollflow scores in-process)"
-            )
-        for key, r in scored.items():
-            if finite(r.score) is None or finite(r.weight) is None:
-                raise Unscorable(f"task {name}'s reward {key} gave {shown(r.score)}, expected a finite number")
-            self.metrics[key] = r.score
-        for key, value in trace.metrics.items():
-            if value is not None and finite(value) is not None:
-                self.metrics[key] = float(value)
-        return float(sum(r.score * r.weight for r in scored.values()))
+        return trace_reward(trace, type(self.task).__name__, self.metrics)
+
+
+def trace_reward(trace: Any, name: str, metrics: dict[str, float]) -> float:
+    """The weighted sum of a scored `vf.Trace`'s rewards (of task `name`), after checking each; each
+    reward's score and each metric put in `metrics`. Unscorable when it has none, or one is not a
+    finite number."""
+    scored = {key: r for key, r in trace.rewards.items() if r is not None}
+    if not scored:
+        raise Unscorable(
+            f"task {name} has no reward that runs without a runtime (verifiers skips those that need "
+            "a sandbox; rollflow scores in-process)"
+        )
+    for key, r in scored.items():
+        if finite(r.score) is None or finite(r.weight) is None:
+            raise Unscorable(f"task {name}'s reward {key} gave {shown(r.score)}, expected a finite number")
+        metrics[key] = r.score
+    for key, value in trace.metrics.items():
+        if value is not None and finite(value) is not None:
+            metrics[key] = float(value)
+    return float(sum(r.score * r.weight for r in scored.values()))
 
 
 class TasksetEpisodes(EpisodeSource):
@@ -177,28 +179,15 @@ class TasksetEpisodes(EpisodeSource):
 
     settings: VerifiersEnvConfig
 
-    def __init__(self, settings: VerifiersEnvConfig, model: str) -> None:
+    def __init__(self, settings: VerifiersEnvConfig, model: str, loaded: Taskset | None = None) -> None:
         self.settings = settings
         self.model = model
         self.name = settings.taskset
-        tasks, toolsets = load_taskset(settings.taskset, settings.taskset_args, settings.max_tasks)
-        self.shared = ToolServers(toolsets)
-        self.tasks: dict[str, Any] = {}
-        """task key -> task"""
-        self._rows: list[Row] = []
-        for i, task in enumerate(tasks):
-            where = f"{self.name} task {i}"
-            row_id = f"{self.name}-{task.key[:16]}"
-            if task.key in self.tasks:
-                raise DataError(f"{where}: its key {task.key!r} is another task's too; task keys must be unique")
-            answer = getattr(task.data, "answer", None)
-            self.tasks[task.key] = task
-            self._rows.append(
-                Row(
-                    id=row_id, messages=task_messages(task, where), answer=None if answer is None else str(answer),
-                    task=self.name, metadata={KEY: task.key}, source=where,
-                )
-            )  # fmt: skip
+        loaded = loaded or load_taskset(settings.taskset, settings.taskset_args, settings.max_tasks)
+        if loaded.env is not None:
+            raise ConfigError(f"env.taskset: {self.name!r} runs its own environment (taskset_episodes plays it)")
+        self.shared = ToolServers(loaded.toolsets)
+        self._rows, self.tasks = task_rows(self.name, loaded.tasks)
 
     async def start(self) -> None:
         try:
@@ -262,3 +251,14 @@ class TasksetEpisodes(EpisodeSource):
             why = f"environment: scoring raised {type(err).__name__}: {err}"
             return msgspec.structs.replace(sample, unscorable=why)
         return msgspec.structs.replace(sample, process_rewards=[(sample.num_tokens - 1, reward)])
+
+
+def taskset_episodes(settings: VerifiersEnvConfig, model: str, sampling: SamplingSpec) -> EpisodeSource:
+    """`kind = "verifiers"` with `taskset`: the taskset loaded now (what cannot be trained is
+    refused at start), played here, or by its own `Env` (`rollflow.envs.taskset_envs`)."""
+    loaded = load_taskset(settings.taskset, settings.taskset_args, settings.max_tasks, settings.env_id)
+    if loaded.env is None:
+        return TasksetEpisodes(settings, model, loaded)
+    from rollflow.envs.taskset_envs import EnvEpisodes
+
+    return EnvEpisodes(settings, model, sampling, loaded)
