@@ -63,7 +63,8 @@ async def test_a_game_its_env_answers_is_trained_on_the_players_turns_exactly(ch
         *chat.tokens("3"), eos, *chat.tokens("5"), eos, *chat.tokens("6"), eos]
     assert [sample.logprobs[i] for i in sampled] == pytest.approx([0.0, -0.1] * 3)
     assert {sample.versions[i] for i in sampled} == {3}
-    answers = chat.tokenizer.decode([t for t, m in zip(sample.completion_token_ids, sample.loss_mask) if not m])
+    masked = [t for t, m in zip(sample.completion_token_ids, sample.loss_mask, strict=True) if not m]
+    answers = chat.tokenizer.decode(masked)
     assert answers.count("Higher.") == 2  # the game's answers: in the sequence, out of the loss
     # each call of the player carried the whole game so far
     assert chat.tokenizer.decode(script.seen[-1]).count("Higher.") == 2
