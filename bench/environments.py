@@ -5,15 +5,18 @@ its server: reset, the model's turn, step), as episodes of a TRL environment cla
 instance, its reset, the model's turn with the tools shown, its get_reward), and as episodes of
 a verifiers v1 taskset (the model's turn, its `vf.Trace`, the task's own rewards), and as episodes
 of a v1 taskset whose tasks bring a toolset (calc-taskset: the toolset set up per episode on an
-in-process MCP server, its tools shown), alternating for several rounds in one run.
+in-process MCP server, its tools shown), and as episodes of a taskset played by its own `Env`
+(guess-taskset, one guess each: verifiers' `Env.run_episode`, its interception server and
+rollflow's in-process harness, through the run's endpoint), alternating for several rounds in one
+run.
 
 Every path samples the same number of tokens per question (ignore_eos, fixed max_tokens) on one
 in-process engine of the tiny model; the adapters add what they are: verifiers' rollout, the HTTP
 round trip and the episode's recording for the one, a WebSocket session per episode with the
 OpenEnv server (started by the bench, as `env.openenv_server` does) for the other. Prints a table
 per adapter, each ending with its RESULT line, `RESULT verifiers_ratio=<x>`, `RESULT
-openenv_ratio=<y>`, `RESULT factory_ratio=<z>`, `RESULT taskset_ratio=<w>` and `RESULT
-tools_taskset_ratio=<v>` (median over
+openenv_ratio=<y>`, `RESULT factory_ratio=<z>`, `RESULT taskset_ratio=<w>`, `RESULT
+tools_taskset_ratio=<v>` and `RESULT env_taskset_ratio=<u>` (median over
 rounds of the adapter's tokens/s divided by `rollout()`'s; 1.0 = no cost).
 
     bin/dev python bench/environments.py [--requests 32] [--tokens 128] [--rounds 12]
@@ -36,7 +39,7 @@ from rollflow.envs import ChatFormat, EpisodeLimits, run_episode
 from rollflow.envs.factory import episodes
 from rollflow.envs.openenv import OpenEnvSource
 from rollflow.envs.source import EpisodeContext, EpisodeSource
-from rollflow.envs.tasksets import TasksetEpisodes
+from rollflow.envs.tasksets import TasksetEpisodes, taskset_episodes
 from rollflow.models import load_tokenizer, resolve_model
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout
@@ -131,6 +134,12 @@ async def main(args: argparse.Namespace) -> None:
         args.model,
     )
     tool_prompts = prompts_of(chat, tools.rows())
+    game = taskset_episodes(
+        VerifiersEnvConfig(taskset="guess-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens,
+                           env_args={"player": {"max_turns": 1}}),
+        args.model, spec,
+    )  # fmt: skip
+    game_prompts = prompts_of(chat, game.rows())
     try:
         await engine.start()
         await server.start()
@@ -142,6 +151,8 @@ async def main(args: argparse.Namespace) -> None:
         await episodes_of(engine, chat, spec, taskset, task_prompts[:4], "warmup")
         await tools.start()
         await episodes_of(engine, chat, spec, tools, tool_prompts[:4], "warmup")
+        await game.start()
+        await episodes_of(engine, chat, spec, game, game_prompts[:4], "warmup")
         through_verifiers = await alternate(
             [
                 ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
@@ -177,7 +188,16 @@ async def main(args: argparse.Namespace) -> None:
             ],
             args.rounds,
         )
+        through_env = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
+                ("a taskset's own Env", lambda tag: episodes_of(engine, chat, spec, game, game_prompts, tag)),
+            ],
+            args.rounds,
+        )
     finally:
+        await game.aclose()
+        await tools.aclose()
         await env.aclose()
         await source.aclose()
         await server.aclose()
@@ -187,6 +207,7 @@ async def main(args: argparse.Namespace) -> None:
     report(*through_factory, args, "factory_ratio")
     report(*through_taskset, args, "taskset_ratio")
     report(*through_tools, args, "tools_taskset_ratio")
+    report(*through_env, args, "env_taskset_ratio")
 
 
 if __name__ == "__main__":

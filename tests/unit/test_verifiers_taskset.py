@@ -221,19 +221,39 @@ TASKSETS = {
             calls: int = 0
 
         class Counter(vf.Toolset[vf.ToolsetConfig, Counts]):
+            TOOL_PREFIX = None
+
             @vf.tool
             def bump(self) -> str:
                 \"\"\"Count.\"\"\"
                 self.state.calls += 1
                 return str(self.state.calls)
 
-        class CountTasks(vf.Taskset[vf.Task, vf.TasksetConfig]):
+            @vf.tool
+            async def peek(self) -> str:
+                \"\"\"The count so far.\"\"\"
+                return f"count {self.state.calls}"
+
+        class CountConfig(vf.TasksetConfig):
+            url: str = ""
+
+        class CountTask(vf.Task[vf.TaskData, Counts, vf.TaskConfig]):
             @classmethod
             def toolsets(cls, config):
                 return [Counter(vf.ToolsetConfig())]
 
+            @vf.reward
+            async def counted(self, trace: vf.Trace) -> float:
+                return float(trace.state.calls)
+
+        class CountTasks(vf.Taskset[CountTask, CountConfig]):
+            @classmethod
+            def toolsets(cls, config):
+                return [Counter(vf.ToolsetConfig(url=config.url))] if config.url else []
+
             def load(self):
-                yield vf.Task(vf.TaskData(idx=0, prompt="count"), self.config.task)
+                for i in range(2):
+                    yield CountTask(vf.TaskData(idx=i, prompt=f"count {i}"), self.config.task)
 
         __all__ = ["CountTasks"]
     """,
@@ -389,7 +409,8 @@ async def test_a_task_whose_rewards_all_need_a_runtime_is_unscorable_saying_so(c
     ({"taskset": "ts-raises"}, "loading 'ts-raises''s tasks raised FileNotFoundError: data/train.parquet"),
     ({"taskset": "ts-no-all"}, "defines no `__all__`"),
     ({"taskset": "ts-own-harness"}, "'ts-own-harness' ships its own harness (ts-own-harness), a program"),
-    ({"taskset": "ts-stateful-tools"}, "its toolset Counter keeps state across calls (Counts)"),
+    ({"taskset": "ts-stateful-tools", "taskset_args": {"url": "http://127.0.0.1:9/mcp"}},
+     "its toolset Counter keeps state across calls (Counts) and runs at a URL"),
     ({"taskset": "ts-container-tools"}, "its toolset Browser runs in a DockerConfig runtime"),
     ({"taskset": "ts-intercept"}, "its tasks' @vf.intercept hooks (shorten) rewrite model calls"),
     ({"taskset": "ts-request-stop"}, "its @vf.stop long_prompt reads the model request"),
@@ -530,6 +551,23 @@ async def test_a_tool_loop_cut_by_the_turn_limit_is_scored_as_it_stands_and_a_fa
     broken = await play(episodes, chat, ["never"], i=1)
     assert broken.unscorable == "environment: setting up the task's toolsets raised OSError: the index is missing"
     assert broken.completion_token_ids == []
+
+
+@pytest.mark.usefixtures("tasksets")
+async def test_a_stateful_toolset_shares_its_episodes_state_which_the_task_scores(chat):
+    """As verifiers' state channel does: each call reads the episode's state as the toolset's type
+    and writes back what it changed; the task's reward reads it on the trace; episodes never share it."""
+    episodes = source(taskset="ts-stateful-tools")
+    await episodes.start()
+    one, two = await asyncio.gather(
+        play(episodes, chat, [call("bump"), call("bump"), call("peek"), "done"], max_tokens=900, max_turns=5),
+        play(episodes, chat, [call("bump"), "done"], i=1, max_tokens=900, max_turns=5),
+    )
+    results = [t for t, m in zip(one.completion_token_ids, one.loss_mask, strict=True) if m == 0]
+    tool_text = chat.tokenizer.decode(results)
+    assert one.unscorable is None and two.unscorable is None
+    assert "count 2" in tool_text  # the async tool saw the sync tool's writes
+    assert one.process_rewards == [(one.num_tokens - 1, 2.0)] and two.process_rewards == [(two.num_tokens - 1, 1.0)]
 
 
 @pytest.fixture

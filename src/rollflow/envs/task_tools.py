@@ -16,9 +16,13 @@ nothing for it either): rollflow lists and calls its tools there over MCP's stre
 session per call as verifiers' harnesses do, and an error result is the model's to read.
 
 A taskset's own toolsets are set up once for the run (`setup`); a task's are made for each
-episode (`setup`, then `setup_task(task)`). Refused at start (`check_toolsets`): a toolset that keeps
-state across calls (its own `State`: verifiers carries it through a channel rollflow does not
-serve) and one in a container runtime. Works with mcp 1.x (verifiers 0.3) and 2.x (verifiers 0.4).
+episode (`setup`, then `setup_task(task)`). A toolset that keeps state across calls (its own
+`State` type) shares the episode's state, as verifiers' state channel does: before each call its
+`self.state` is the episode's state read as the toolset's type, and what the call changed is
+written back as the task's type (`EpisodeState`), the state the task's rewards read on the trace.
+Refused at start (`check_toolsets`): a stateful toolset at a URL (its state would cross a channel
+rollflow does not serve) and one in a container runtime. Works with mcp 1.x (verifiers 0.3) and 2.x
+(verifiers 0.4).
 This module does not play episodes (`rollflow.envs.tasksets`).
 """
 
@@ -46,10 +50,10 @@ def check_toolsets(toolsets: list[Any], where: str) -> None:
     for toolset in toolsets:
         name = f"{where}: its toolset {type(toolset).__name__}"
         config = getattr(toolset, "config", None)
-        if state_cls(type(toolset)) is not State:
+        if state_cls(type(toolset)) is not State and getattr(config, "url", None):
             raise ConfigError(
-                f"{name} keeps state across calls ({state_cls(type(toolset)).__name__}), which verifiers carries "
-                "through a channel rollflow does not serve; rollflow runs stateless toolsets in-process"
+                f"{name} keeps state across calls ({state_cls(type(toolset)).__name__}) and runs at a URL; its state "
+                "would cross a channel rollflow does not serve (a stateful toolset is served in-process)"
             )
         runtime = getattr(config, "runtime", None)
         if not getattr(config, "url", None) and runtime is not None and not isinstance(runtime, SubprocessConfig):
@@ -106,6 +110,20 @@ class _Remote:
 _CURRENT: contextvars.ContextVar[dict[type, Any]] = contextvars.ContextVar("rollflow_toolsets")
 """The calling episode's instance of each toolset class."""
 
+
+class EpisodeState:
+    """An episode's shared state (verifiers' `trace.state`): a value of the task's `State` type."""
+
+    def __init__(self, value: Any) -> None:
+        from pydantic import TypeAdapter
+
+        self.value = value
+        self.adapter = TypeAdapter(type(value))
+
+
+_STATE: contextvars.ContextVar[EpisodeState | None] = contextvars.ContextVar("rollflow_episode_state", default=None)
+"""The calling episode's state."""
+
 _SERVERS: dict[type, Any] = {}
 """Toolset class -> its in-process MCP server."""
 
@@ -130,11 +148,30 @@ def _dispatch(cls: type, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     async def call(*args: Any, **kwargs: Any) -> Any:
+        from verifiers.v1.mcp.server import _call_state
+        from verifiers.v1.state import State
+
         instance = _CURRENT.get()[cls]
         method = getattr(instance, name)
-        if inspect.iscoroutinefunction(method):
-            return await instance._with_state(method)(*args, **kwargs)
-        return await asyncio.to_thread(method, *args, **kwargs)  # stateless (check_toolsets): no state to sync
+        shared = _STATE.get()
+        if shared is None or instance._state_cls is State:  # stateless: `self.state` is inert
+            return await (method(*args, **kwargs) if inspect.iscoroutinefunction(method) else
+                          asyncio.to_thread(method, *args, **kwargs))  # fmt: skip
+        adapter = instance._state_adapter
+        state = adapter.validate_json(shared.adapter.dump_json(shared.value))  # the episode's, as the toolset reads it
+        before = adapter.dump_json(state)
+        token = _call_state.set(state)  # what the toolset's `self.state` returns during the call
+        try:
+            if inspect.iscoroutinefunction(method):
+                result = await method(*args, **kwargs)
+            else:
+                result = await asyncio.to_thread(method, *args, **kwargs)  # the thread sees the same context
+        finally:
+            _call_state.reset(token)
+        after = adapter.dump_json(state)
+        if after != before:  # written back as the task's type, as verifiers' state channel does
+            shared.value = shared.adapter.validate_json(after)
+        return result
 
     call.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
     return call
@@ -151,6 +188,8 @@ class ToolServers:
         """advertised name -> the call"""
         self.instances: dict[type, Any] = {}
         """Toolset class -> the instance its tools run on."""
+        self.state: EpisodeState | None = None
+        """The episode's state, which stateful toolsets read and write."""
 
     async def start(self, task: Any = None) -> None:
         """Set each toolset up (for `task`, when given) and learn its tools."""
@@ -178,7 +217,11 @@ class ToolServers:
 
     async def call(self, call: ToolCall, timeout_s: float) -> str:
         """The answer to one tool call (an error text when it fails)."""
-        return await call_tool(self.tools, call, timeout_s)
+        token = _STATE.set(self.state)
+        try:
+            return await call_tool(self.tools, call, timeout_s)
+        finally:
+            _STATE.reset(token)
 
 
 def _caller(server: Any, tool: str, instances: dict[type, Any]) -> Tool:

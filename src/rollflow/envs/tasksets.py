@@ -38,7 +38,7 @@ from rollflow.data_files import Row
 from rollflow.envs.episode import failed_episode, run_episode
 from rollflow.envs.protocol import EnvStep, GenerateTurn, Turn
 from rollflow.envs.source import EpisodeContext, EpisodeSource
-from rollflow.envs.task_tools import ToolServers
+from rollflow.envs.task_tools import EpisodeState, ToolServers
 from rollflow.envs.taskset_loader import KEY, Taskset, load_taskset, task_rows
 from rollflow.envs.tools import split_calls
 from rollflow.errors import ConfigError
@@ -66,6 +66,12 @@ class TaskEpisode:
         self.metrics: dict[str, float] = {}
         self.scored = False
         from verifiers.v1.session import hook_boundary
+        from verifiers.v1.state import state_cls
+
+        self.state = EpisodeState(state_cls(type(task))())
+        """The episode's state (the trace's), which stateful toolsets share."""
+        if tools is not None:
+            tools.state = self.state
 
         self.stops = [(hook_boundary(fn, allow_trace=True), fn) for fn in task.hooks("stop")]
         """The task's `@vf.stop`s (a Response's, after each turn; a Trace's, before each later turn)."""
@@ -124,13 +130,12 @@ class TaskEpisode:
         graph; ended with `stop` when given."""
         import verifiers.v1 as vf
         from verifiers.v1.graph import prepare_turn
-        from verifiers.v1.state import state_cls
 
         task = self.task
         trace = vf.Trace(
             task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
             agent=vf.AgentInfo(config=vf.AgentConfig(), name="policy"),
-            state=state_cls(type(task))(),
+            state=self.state.value,
         )
         for i, (before, _, _) in enumerate(self.replies):
             prepare_turn(trace, self.history[:before]).commit(self._response(i))
