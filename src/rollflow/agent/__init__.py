@@ -31,7 +31,7 @@ from rollflow.agent.http import http_client
 from rollflow.agent.server import AgentServer
 from rollflow.config import AgentEnvConfig, Config, EndpointConfig
 from rollflow.data_files import Row
-from rollflow.envs import GenerateTurn, Served
+from rollflow.envs import EpisodeLimits, GenerateTurn, Served
 from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.errors import ConfigError
 from rollflow.imports import load_function
@@ -149,12 +149,18 @@ class AgentEpisodes(EpisodeSource):
     async def play(
         self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
     ) -> Sample:
-        budgets = {"max_model_tokens": self.settings.max_model_tokens, "time_budget_s": self.settings.time_budget_s}
-        limits = msgspec.structs.replace(context.limits(self.settings), **budgets)
-        episode = AgentEpisode(prompt, context.sampling, generate, context.chat, limits)
+        episode = AgentEpisode(
+            prompt, context.sampling, generate, context.chat, endpoint_limits(context, self.settings)
+        )
         return await run_agent(
             self.agent, episode, self.server, group_id=group_id, index=index, timeout_s=self.settings.episode_timeout_s
         )
+
+
+def endpoint_limits(context: EpisodeContext, settings: EndpointConfig) -> EpisodeLimits:
+    """An endpoint episode's bounds: the episode's, with the budgets only the endpoint enforces."""
+    budgets = {"max_model_tokens": settings.max_model_tokens, "time_budget_s": settings.time_budget_s}
+    return msgspec.structs.replace(context.limits(settings), **budgets)
 
 
 def agent_episodes(settings: AgentEnvConfig, config: Config, agent: Agent | None = None) -> AgentEpisodes:

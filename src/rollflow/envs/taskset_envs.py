@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from rollflow.agent import AgentEpisode, AgentServer
+from rollflow.agent import AgentEpisode, AgentServer, endpoint_limits
 from rollflow.config import VerifiersEnvConfig
 from rollflow.data_files import Row
 from rollflow.envs.protocol import GenerateTurn
@@ -126,9 +126,7 @@ class EnvEpisodes(EpisodeSource):
 
         task = self.tasks[prompt.metadata[KEY]]
         settings = self.settings
-        budgets = {"max_model_tokens": settings.max_model_tokens, "time_budget_s": settings.time_budget_s}
-        limits = msgspec.structs.replace(context.limits(settings), **budgets)
-        episode = AgentEpisode(prompt, context.sampling, generate, context.chat, limits)
+        episode = AgentEpisode(prompt, context.sampling, generate, context.chat, endpoint_limits(context, settings))
         key, base_url = self.server.open(episode)
         ctx = ModelContext(model=self.server.model, client=EvalClientConfig(base_url=base_url, api_key_var=NO_KEY))
         reward: float | None = None
