@@ -5,10 +5,10 @@ its server: reset, the model's turn, step), as episodes of a TRL environment cla
 instance, its reset, the model's turn with the tools shown, its get_reward), and as episodes of
 a verifiers v1 taskset (the model's turn, its `vf.Trace`, the task's own rewards), and as episodes
 of a v1 taskset whose tasks bring a toolset (calc-taskset: the toolset set up per episode on an
-in-process MCP server, its tools shown), and as episodes of a taskset played by its own `Env`
-(guess-taskset, one guess each: verifiers' `Env.run_episode`, its interception server and
-rollflow's in-process harness, through the run's endpoint), alternating for several rounds in one
-run.
+in-process MCP server, its tools shown), and as episodes of a taskset played by a verifiers `Env`
+(sums-taskset with `env_id = "one-shot-env"`, bench/one_shot_env.py: one agent run each, through
+verifiers' `Env.run_episode`, its interception server and trace, rollflow's in-process harness and
+the run's endpoint), alternating for several rounds in one run.
 
 Every path samples the same number of tokens per question (ignore_eos, fixed max_tokens) on one
 in-process engine of the tiny model; the adapters add what they are: verifiers' rollout, the HTTP
@@ -135,8 +135,8 @@ async def main(args: argparse.Namespace) -> None:
     )
     tool_prompts = prompts_of(chat, tools.rows())
     game = taskset_episodes(
-        VerifiersEnvConfig(taskset="guess-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens,
-                           env_args={"player": {"max_turns": 1}}),
+        VerifiersEnvConfig(taskset="sums-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens,
+                           env_id="one-shot-env"),
         args.model, spec,
     )  # fmt: skip
     game_prompts = prompts_of(chat, game.rows())
@@ -191,7 +191,7 @@ async def main(args: argparse.Namespace) -> None:
         through_env = await alternate(
             [
                 ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
-                ("a taskset's own Env", lambda tag: episodes_of(engine, chat, spec, game, game_prompts, tag)),
+                ("a verifiers Env", lambda tag: episodes_of(engine, chat, spec, game, game_prompts, tag)),
             ],
             args.rounds,
         )

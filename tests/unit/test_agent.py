@@ -165,6 +165,23 @@ async def test_calls_of_two_sessions_are_two_conversations_and_the_sample_is_one
     assert "coach two" in chat.tokenizer.decode(ep.sample("g0", 0, reward=1.0, failure=None).completion_token_ids)
 
 
+async def test_a_bound_session_selects_its_episode_at_the_runs_one_url_until_the_episode_ends(chat, agent_server):
+    ep, _ = episode(chat, ["bound"])
+    key, _ = agent_server.open(ep)
+    agent_server.bind("rollout-1", key)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as http:
+        url = f"{agent_server.url}/v1/chat/completions"
+        async with http.post(url, json=body, headers={"X-Session-ID": "rollout-1"}) as response:
+            assert response.status == 200 and (await response.json())["choices"][0]["message"]["content"] == "bound"
+        async with http.post(url, json=body, headers={"X-Session-ID": "rollout-2"}) as response:
+            assert response.status == 401  # an unbound session is no key
+        agent_server.close(key)
+        async with http.post(url, json=body, headers={"X-Session-ID": "rollout-1"}) as response:
+            assert response.status == 401
+    assert ep.lanes["rollout-1"].calls == 1
+
+
 def msgspec_replace(sample, **changes):
     import msgspec
 

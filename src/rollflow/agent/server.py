@@ -11,7 +11,9 @@ of its own (`api_key`) that dies with it; a call with no key, or a wrong or expi
 in the dialect's error shape and never reaches another episode.
 A call with an `X-Session-ID` header belongs to that session of its episode: each session is a
 conversation of its own (a program that runs several agents in one episode, verifiers' `Env`s),
-and the episode's sample is one session's (`AgentEpisode.sample`).
+and the episode's sample is one session's (`AgentEpisode.sample`). A source that learns its
+program's session ids as they are minted binds them to the episode (`bind`): a call to the run's
+one URL naming a bound session needs no key, so one model client serves every episode.
 
 A chat request the run cannot honour — another model, a sampling setting other than the run's
 (the importance-sampling correction assumes the run's distribution), `n` > 1, constrained
@@ -103,6 +105,8 @@ class AgentServer:
         """api key -> episode id"""
         self._secrets: dict[str, str] = {}
         """episode id -> its api key"""
+        self._sessions: dict[str, str] = {}
+        """a bound `X-Session-ID` -> episode id (`bind`)"""
         self._conversations: dict[str, dict[str, list[dict[str, Any]]]] = {}
         """Responses API: episode id -> response id -> the conversation it ended, until the episode ends."""
         self._runner: web.AppRunner | None = None
@@ -146,11 +150,19 @@ class AgentServer:
         """The key that selects episode `key` on the run's one URL."""
         return self._secrets[key]
 
+    def bind(self, session: str, key: str) -> None:
+        """Calls to the run's one URL naming `session` (`X-Session-ID`, a rollout id a program
+        minted for episode `key`: verifiers' `Env`s) are episode `key`'s, with no key of their own:
+        the program's model client is then one for every episode."""
+        self._sessions[session] = key
+
     def close(self, key: str) -> None:
-        """The episode has ended: its URL answers 404 and its key 401 from now on."""
+        """The episode has ended: its URL answers 404, its key 401, its sessions 401 from now on."""
         self._episodes.pop(key, None)
         self._keys.pop(self._secrets.pop(key, ""), None)
         self._conversations.pop(key, None)
+        for session in [s for s, k in self._sessions.items() if k == key]:
+            del self._sessions[session]
 
     # ---- routes ------------------------------------------------------------------------------
 
@@ -182,7 +194,11 @@ class AgentServer:
         return key, episode, body
 
     def _key_of(self, request: web.Request) -> str:
-        """The episode a call to the run's one URL is for, by its key; `_Refused` (401) otherwise."""
+        """The episode a call to the run's one URL is for, by its bound session or its key; `_Refused`
+        (401) otherwise."""
+        bound = self._sessions.get(request.headers.get(SESSION_HEADER, ""))
+        if bound is not None:
+            return bound
         bearer = request.headers.get("Authorization", "")
         secret = request.headers.get("x-api-key") or (bearer[7:] if bearer.startswith("Bearer ") else "")
         if not secret:

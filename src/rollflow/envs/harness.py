@@ -18,6 +18,7 @@ imported by this module: import it only when verifiers is installed.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any
 
 import httpx
@@ -31,6 +32,11 @@ ID = "rollflow-harness"
 CALL_TIMEOUT_S = 3600.0
 """One model call's HTTP deadline; the run's own limits (`env.step_timeout_s`, the episode's
 timeout) end a turn long before it."""
+
+
+HTTP: contextvars.ContextVar[httpx.AsyncClient | None] = contextvars.ContextVar("rollflow_harness_http", default=None)
+"""The HTTP client the harness's calls share (set by the run for its episodes: a client costs tens
+of milliseconds to make); without one, a call makes its own."""
 
 
 class InProcessHarnessConfig(vf.HarnessConfig):
@@ -62,10 +68,14 @@ class InProcessHarness(vf.Harness[InProcessHarnessConfig]):
         elif prompt is not None:
             messages += [message_to_wire(m) for m in prompt]
         url = endpoint.rstrip("/") + "/chat/completions"
-        async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as client:
-            response = await client.post(
-                url, json={"model": ctx.model, "messages": messages}, headers={"Authorization": f"Bearer {secret}"}
-            )
+        body = {"model": ctx.model, "messages": messages}
+        headers = {"Authorization": f"Bearer {secret}"}
+        shared = HTTP.get()
+        if shared is not None:
+            response = await shared.post(url, json=body, headers=headers)
+        else:
+            async with httpx.AsyncClient(timeout=CALL_TIMEOUT_S) as client:
+                response = await client.post(url, json=body, headers=headers)
         if response.status_code != 200:
             why = f"model call: HTTP {response.status_code}: {response.text}"
             return ProgramResult(exit_code=1, stdout="", stderr=why)
