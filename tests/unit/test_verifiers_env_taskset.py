@@ -70,6 +70,20 @@ async def test_a_game_its_env_answers_is_trained_on_the_players_turns_exactly(ch
     assert chat.tokenizer.decode(script.seen[-1]).count("Higher.") == 2
 
 
+async def test_the_envs_interception_relays_to_the_endpoint_in_process(chat):
+    from rollflow.envs.harness import EndpointRelay
+
+    episodes = source(taskset="guess-taskset", taskset_args={"n": 4})
+    await episodes.start()
+    try:
+        assert any(isinstance(c, EndpointRelay) for c in episodes.env._interception.clients.values())
+    finally:
+        await episodes.aclose()
+    sample, _ = await play(episodes, chat, ["3", "5", "6"], i=1)
+    assert sample.unscorable is None and sample.turns == 3
+    assert episodes.server.requests == 0  # three model calls, none of them over HTTP
+
+
 async def test_an_agent_the_env_marks_untrainable_is_served_and_not_trained(chat):
     episodes = source(taskset="guess-taskset", taskset_args={"n": 4, "referee": True})
     sample, script = await play(episodes, chat, ["3", "Go on!", "5", "Nearly!", "6"], i=1)

@@ -72,7 +72,7 @@ _UNSUPPORTED = {
 """Fields refused whenever they are set, and why."""
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A call refused before or around its turn (no episode, a body that is not JSON, a timeout);
     each dialect answers it in its own error shape."""
 
@@ -177,24 +177,24 @@ class AgentServer:
         )
 
     async def _call(self, request: web.Request) -> tuple[str, AgentEpisode, dict[str, Any]]:
-        """The call's episode (its id, itself) and its JSON body, or `_Refused`."""
+        """The call's episode (its id, itself) and its JSON body, or `Refused`."""
         self.requests += 1
         key = request.match_info.get("episode") or self._key_of(request)
         episode = self._episodes.get(key)
         if episode is None:
-            raise _Refused(404, f"episode {key} is not running (it has ended, or never existed)", "not_found")
+            raise Refused(404, f"episode {key} is not running (it has ended, or never existed)", "not_found")
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise _Refused(400, "the request body is not valid JSON") from None
+            raise Refused(400, "the request body is not valid JSON") from None
         except ConnectionResetError:  # the agent went away (its episode ended) mid-request
-            raise _Refused(499) from None
+            raise Refused(499) from None
         if not isinstance(body, dict):
-            raise _Refused(400, "the request body must be a JSON object")
+            raise Refused(400, "the request body must be a JSON object")
         return key, episode, body
 
     def _key_of(self, request: web.Request) -> str:
-        """The episode a call to the run's one URL is for, by its bound session or its key; `_Refused`
+        """The episode a call to the run's one URL is for, by its bound session or its key; `Refused`
         (401) otherwise."""
         bound = self._sessions.get(request.headers.get(SESSION_HEADER, ""))
         if bound is not None:
@@ -202,49 +202,63 @@ class AgentServer:
         bearer = request.headers.get("Authorization", "")
         secret = request.headers.get("x-api-key") or (bearer[7:] if bearer.startswith("Bearer ") else "")
         if not secret:
-            raise _Refused(401, "no API key: give the episode's key (Authorization: Bearer KEY or x-api-key)",
+            raise Refused(401, "no API key: give the episode's key (Authorization: Bearer KEY or x-api-key)",
                            "invalid_api_key")  # fmt: skip
         if secret not in self._keys:
-            raise _Refused(401, "this API key belongs to no running episode (a wrong key, or its episode ended)",
+            raise Refused(401, "this API key belongs to no running episode (a wrong key, or its episode ended)",
                            "invalid_api_key")  # fmt: skip
         return self._keys[secret]
 
+    def session_episode(self, session: str | None) -> AgentEpisode | None:
+        """The running episode a bound session belongs to (`bind`), if any."""
+        key = self._sessions.get(session or "")
+        return self._episodes.get(key) if key is not None else None
+
+    async def chat_turn(self, episode: AgentEpisode, body: dict[str, Any], session: str | None) -> Reply:
+        """One chat completions call's turn, checked as the endpoint checks it (`BadRequest`, or
+        `Refused` past `call_timeout_s`): what its route serves over HTTP, and what a caller in the
+        run's process (a verifiers Env's relay, `rollflow.envs.taskset_envs`) asks for directly."""
+        return await self._complete(episode, body.get("messages"), self._check(body), session)
+
+    def chat_completion(self, episode: AgentEpisode, reply: Reply, body: dict[str, Any]) -> dict[str, Any]:
+        """`reply` as OpenAI's chat completion object (with log-probs when `body` asks for them)."""
+        logprobs = self._logprobs(episode, reply) if body.get("logprobs") else None
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            message["tool_calls"] = reply.tool_calls
+        return {
+            "id": f"chatcmpl-{secrets.token_hex(12)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": logprobs}],
+            "usage": _usage(reply),
+        }
+
     async def _turn(self, request: web.Request, episode: AgentEpisode, messages: Any, call: dict[str, Any]) -> Reply:
-        """The model's turn for the call (`BadRequest`, or `_Refused` past `call_timeout_s`), in the
-        session its `X-Session-ID` names."""
-        session = request.headers.get(SESSION_HEADER)
+        """The model's turn for the call, in the session its `X-Session-ID` names."""
+        return await self._complete(episode, messages, call, request.headers.get(SESSION_HEADER))
+
+    async def _complete(self, episode: AgentEpisode, messages: Any, call: dict[str, Any], session: str | None) -> Reply:
+        """The model's turn (`BadRequest`, or `Refused` past `call_timeout_s`)."""
         try:
             return await asyncio.wait_for(episode.complete(messages, session=session, **call), self.call_timeout_s)
         except TimeoutError:
-            raise _Refused(
+            raise Refused(
                 504, f"the model's turn took longer than {self.call_timeout_s:g} s (env.step_timeout_s)", "timeout"
             ) from None
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
             _, episode, body = await self._call(request)
-            reply = await self._turn(request, episode, body.get("messages"), self._check(body))
-        except (BadRequest, _Refused) as err:
+            reply = await self.chat_turn(episode, body, request.headers.get(SESSION_HEADER))
+        except (BadRequest, Refused) as err:
             return _openai_error(err)
-        created, rid = int(time.time()), f"chatcmpl-{secrets.token_hex(12)}"
-        logprobs = self._logprobs(episode, reply) if body.get("logprobs") else None
         if body.get("stream"):
+            created, rid = int(time.time()), f"chatcmpl-{secrets.token_hex(12)}"
+            logprobs = self._logprobs(episode, reply) if body.get("logprobs") else None
             return await self._stream(request, reply, rid, created, logprobs, body)
-        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-        if reply.tool_calls:
-            message["tool_calls"] = reply.tool_calls
-        return web.json_response(
-            {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.model,
-                "choices": [
-                    {"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": logprobs}
-                ],
-                "usage": _usage(reply),
-            }
-        )
+        return web.json_response(self.chat_completion(episode, reply, body))
 
     def _check(self, body: dict[str, Any]) -> dict[str, Any]:
         """The call's settings, or `BadRequest` for one the run cannot honour."""
@@ -339,7 +353,7 @@ class AgentServer:
             _, episode, body = await self._call(request)
             messages, call = anthropic.chat_call(body, self.model, self.sampling)
             reply = await self._turn(request, episode, messages, call)
-        except (BadRequest, _Refused) as err:
+        except (BadRequest, Refused) as err:
             return _anthropic_error(err)
         if not body.get("stream"):
             return web.json_response(anthropic.message(reply, self.model))
@@ -351,7 +365,7 @@ class AgentServer:
             key, episode, body = await self._call(request)
             messages, call = responses.chat_call(body, self.model, self.sampling, self._earlier(key, body))
             reply = await self._turn(request, episode, messages, call)
-        except (BadRequest, _Refused) as err:
+        except (BadRequest, Refused) as err:
             return _openai_error(err)
         include = body.get("include")
         wanted = isinstance(include, list) and responses.LOGPROBS in include
@@ -384,7 +398,7 @@ async def _events(request: web.Request, events: list[tuple[str, dict[str, Any]]]
     return stream
 
 
-def _openai_error(err: BadRequest | _Refused) -> web.StreamResponse:
+def _openai_error(err: BadRequest | Refused) -> web.StreamResponse:
     """A refused call in OpenAI's error shape (chat completions, Responses)."""
     if isinstance(err, BadRequest):
         return _error(400, str(err), err.param)
@@ -393,12 +407,12 @@ def _openai_error(err: BadRequest | _Refused) -> web.StreamResponse:
     return _error(err.status, str(err), None, err.code)
 
 
-def _anthropic_error(err: BadRequest | _Refused) -> web.StreamResponse:
+def _anthropic_error(err: BadRequest | Refused) -> web.StreamResponse:
     """A refused call in Anthropic's error shape, whose body has no field for the parameter: the
     message names it."""
-    if isinstance(err, _Refused) and err.status == 499:
+    if isinstance(err, Refused) and err.status == 499:
         return web.Response(status=499)
-    status = err.status if isinstance(err, _Refused) else 400
+    status = err.status if isinstance(err, Refused) else 400
     text = str(err)
     if isinstance(err, BadRequest) and err.param and not text.startswith(err.param):
         text = f"{err.param}: {text}"

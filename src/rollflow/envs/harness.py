@@ -10,6 +10,11 @@ returns. The interception records the call on the rollout's trace and relays it 
 run gave the episode: rollflow's endpoint, which generates and records every token
 (`rollflow.envs.taskset_envs`).
 
+`EndpointRelay` is the other end: the interception's model client (a verifiers `Client`),
+answering each relayed call in-process from the run's endpoint (`AgentServer.chat_turn`, the
+checks and recording of its chat completions route, for the episode the rollout's session is
+bound to), with no HTTP hop between the two.
+
 Tools are not served here (`SUPPORTS_MCP` is off: verifiers refuses a toolset at pairing, and
 rollflow refuses such tasksets at start). It is installed as the verifiers harness plugin
 `rollflow-harness` (the `rollflow_harness` module), the id verifiers' loader resolves. verifiers is
@@ -23,8 +28,14 @@ from typing import Any
 
 import httpx
 import verifiers.v1 as vf
+from verifiers.v1.clients import Client
+from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.errors import model_error
 from verifiers.v1.runtimes import ProgramResult
+
+from rollflow.agent.episode import BadRequest
+from rollflow.agent.server import AgentServer, Refused
 
 ID = "rollflow-harness"
 """The harness's id in a verifiers `HarnessConfig`."""
@@ -80,3 +91,36 @@ class InProcessHarness(vf.Harness[InProcessHarnessConfig]):
             why = f"model call: HTTP {response.status_code}: {response.text}"
             return ProgramResult(exit_code=1, stdout="", stderr=why)
         return ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+class EndpointRelay(Client):
+    """verifiers' model client for the run's endpoint, in-process: a relayed chat completions call
+    is the turn of the episode its rollout's session is bound to."""
+
+    def __init__(self, server: AgentServer) -> None:
+        self.server = server
+
+    async def get_response(
+        self,
+        dialect: Any,
+        body: dict,
+        sampling: Any,
+        session_id: str | None = None,
+        turn: Any = None,
+        headers: Any = None,
+    ) -> Any:
+        if not isinstance(dialect, ChatDialect):
+            raise model_error(f"{type(dialect).__name__}: rollflow's harness speaks chat completions", status_code=400)
+        episode = self.server.session_episode(session_id)
+        if episode is None:
+            raise model_error(f"rollout {session_id} belongs to no running episode", status_code=404)
+        try:
+            reply = await self.server.chat_turn(episode, body, session_id)
+        except BadRequest as err:
+            raise model_error(f"upstream 400: {err} ({err.param})", status_code=400) from None
+        except Refused as err:
+            raise model_error(f"upstream {err.status}: {err}", status_code=err.status) from None
+        raw = self.server.chat_completion(episode, reply, body)
+        response = dialect.parse_response(dialect.validate_response(raw))
+        response.raw = raw
+        return response

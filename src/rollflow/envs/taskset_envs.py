@@ -129,21 +129,17 @@ class EnvEpisodes(EpisodeSource):
         await self._relay()
 
     async def _relay(self) -> None:
-        """Give the Env's interception server its model client (verifiers' own relay client, for the
-        run's one URL) on aiohttp's connection pool: httpx's pool walks every connection at each
-        request, which with a run's episodes in flight costs more CPU than the rest of the relay.
-        Left to verifiers (only slower) if the Env serves its interception another way."""
-        from verifiers.v1.clients import EvalClient
+        """Give the Env's interception server its model client for the run's endpoint: one that
+        answers in-process (`harness.EndpointRelay`), with no HTTP hop between the interception and
+        the endpoint. Left to verifiers' own client (the same calls over HTTP, slower) if the Env
+        serves its interception another way."""
         from verifiers.v1.interception.server import InterceptionServer
 
+        from rollflow.envs.harness import EndpointRelay
+
         server = getattr(self.env, "_interception", None)
-        if not isinstance(server, InterceptionServer):
-            return
-        relay = EvalClient(self._ctx.client)
-        await relay.client.aclose()
-        relay.client = http_client()
-        self._serving.push_async_callback(relay.close)
-        server.clients.setdefault(self._ctx.client.model_dump_json(), relay)
+        if isinstance(server, InterceptionServer):
+            server.clients.setdefault(self._ctx.client.model_dump_json(), EndpointRelay(self.server))
 
     async def aclose(self) -> None:
         try:
