@@ -107,6 +107,8 @@ class AgentServer:
         """episode id -> its api key"""
         self._sessions: dict[str, str] = {}
         """a bound `X-Session-ID` -> episode id (`bind`)"""
+        self._bound: dict[str, list[str]] = {}
+        """episode id -> its bound sessions (dropped with it)"""
         self._conversations: dict[str, dict[str, list[dict[str, Any]]]] = {}
         """Responses API: episode id -> response id -> the conversation it ended, until the episode ends."""
         self._runner: web.AppRunner | None = None
@@ -155,14 +157,15 @@ class AgentServer:
         minted for episode `key`: verifiers' `Env`s) are episode `key`'s, with no key of their own:
         the program's model client is then one for every episode."""
         self._sessions[session] = key
+        self._bound.setdefault(key, []).append(session)
 
     def close(self, key: str) -> None:
         """The episode has ended: its URL answers 404, its key 401, its sessions 401 from now on."""
         self._episodes.pop(key, None)
         self._keys.pop(self._secrets.pop(key, ""), None)
         self._conversations.pop(key, None)
-        for session in [s for s, k in self._sessions.items() if k == key]:
-            del self._sessions[session]
+        for session in self._bound.pop(key, []):
+            self._sessions.pop(session, None)
 
     # ---- routes ------------------------------------------------------------------------------
 
