@@ -653,3 +653,24 @@ async def test_the_tasks_stops_end_the_loop_on_a_response_or_on_the_trace_before
                                                          strict=True) if m == 0])
     assert looked.unscorable is None and looked.turns == 2 and "A" in tool_text and "B" not in tool_text
     assert looked.process_rewards == [(looked.num_tokens - 1, 2.0)] and looked.env_metrics["by_submit"] == 0
+
+
+def test_serving_tools_in_process_leaves_the_applications_logging_as_it_was():
+    """The MCP server object a toolset's tools are registered on configures the root logger when it
+    is made (a rich handler at INFO, in mcp 1.x and 2.x): in an application that imports rollflow,
+    every HTTP request would then be logged. It serves nothing here, so the logging stays as it was."""
+    import logging
+
+    from rollflow.envs import task_tools
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    root.handlers.clear()
+    root.setLevel(logging.WARNING)
+    try:
+        task_tools._mcp_server("probe")
+        configured = root.handlers[:], root.level
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert configured == ([], logging.WARNING)

@@ -34,6 +34,7 @@ import copy
 import functools
 import inspect
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -61,11 +62,19 @@ def check_toolsets(toolsets: list[Any], where: str) -> None:
 
 
 def _mcp_server(name: str) -> Any:
+    """An MCP server object to register tools on. Making one configures the root logger (a rich
+    handler at INFO); this one serves nothing, so the application's logging is kept as it was."""
     try:  # mcp 2.x
         from mcp.server.mcpserver import MCPServer
     except ImportError:  # mcp 1.x
         from mcp.server.fastmcp import FastMCP as MCPServer
-    return MCPServer(name)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        return MCPServer(name)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 def _text(result: Any) -> str:
