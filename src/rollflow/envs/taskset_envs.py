@@ -31,7 +31,6 @@ from typing import Any
 import msgspec
 
 from rollflow.agent import AgentEpisode, AgentServer, endpoint_limits
-from rollflow.agent.http import http_client
 from rollflow.config import VerifiersEnvConfig
 from rollflow.data_files import Row
 from rollflow.envs.protocol import GenerateTurn
@@ -113,14 +112,14 @@ class EnvEpisodes(EpisodeSource):
     async def start(self) -> None:
         from verifiers.v1.clients import EvalClientConfig, ModelContext
 
-        from rollflow.envs.harness import CALL_TIMEOUT_S
+        from rollflow.envs.harness import harness_http
 
         await self.server.start()
         # One client config for every episode (the run's one URL; each rollout's session is bound to
         # its episode), so verifiers' interception keeps one model client for the run.
         client = EvalClientConfig(base_url=f"{self.server.url}/v1", api_key_var=NO_KEY)
         self._ctx = ModelContext(model=self.server.model, client=client)
-        self._http = http_client(timeout=CALL_TIMEOUT_S)
+        self._http = harness_http()
         try:
             await self._serving.enter_async_context(self.env.serving())
         except Exception as err:
@@ -146,7 +145,7 @@ class EnvEpisodes(EpisodeSource):
             await self._serving.aclose()
         finally:
             if self._http is not None:
-                await self._http.aclose()
+                await self._http.close()
             await self.server.aclose()
 
     def rows(self) -> list[Row]:
