@@ -8,7 +8,8 @@ is the answer; `used_tools`, weight 0.25: the share of its turns that called a t
 result without an error) and a `@vf.metric` (`tool_calls`). Loaded by id (`[env] kind =
 "verifiers"`, `taskset = "calc-taskset"`) with this folder on sys.path, as an installed taskset
 package would be; examples/verifiers_tools.py trains it. verifiers would run `Calculator` as an MCP
-server program; rollflow serves it in-process.
+server program (this module, run: the block at its end); rollflow serves it in-process. When an
+`Env` plays the taskset (`env.env_id`), verifiers serves it to that Env's episodes as that program.
 """
 
 from __future__ import annotations
@@ -84,3 +85,7 @@ class CalcTaskset(vf.Taskset[CalcTask, CalcConfig]):
 
 
 __all__ = ["CalcTaskset"]
+
+
+if __name__ == "__main__":
+    Calculator.run()

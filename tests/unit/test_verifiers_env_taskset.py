@@ -203,6 +203,47 @@ ENVS = {
 
         __all__ = ["Tooled", "ToolEnv"]
     """,
+    "env_tool_game": """
+        import verifiers.v1 as vf
+
+        class Seen(vf.State):
+            peeks: int = 0
+
+        class Board(vf.Toolset[vf.ToolsetConfig, Seen]):
+            @vf.tool
+            async def peek(self, square: str) -> str:
+                "What stands on a square."
+                if square == "z9":
+                    raise ValueError("no such square")
+                self.state.peeks += 1
+                return f"a knight on {square}"
+
+        class Task(vf.Task[vf.TaskData, Seen, vf.TaskConfig]):
+            @classmethod
+            def toolsets(cls, config):
+                return [Board(vf.ToolsetConfig())]
+
+            @vf.reward(weight=1.0)
+            async def looked(self, trace: vf.Trace) -> float:
+                return float(trace.state.peeks)
+
+            @vf.metric
+            async def tool_results(self, trace: vf.Trace) -> float:
+                return float(len(trace.tool_messages))
+
+        class Boards(vf.Taskset[Task, vf.TasksetConfig]):
+            def load(self):
+                yield Task(vf.TaskData(idx=0, prompt="what is on b1?"), self.config.task)
+
+        class BoardEnv(vf.Env[vf.SingleAgentEnvConfig]):
+            async def run(self, task, agents):
+                await agents.agent.run(task)
+
+        __all__ = ["Boards", "BoardEnv"]
+
+        if __name__ == "__main__":
+            Board.run()
+    """,
 }
 
 
@@ -211,6 +252,7 @@ def envs(tmp_path, monkeypatch):
     for name, code in ENVS.items():
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(code))
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # verifiers serves a tool server as `python -m MODULE`
     yield
     for name in ENVS:
         sys.modules.pop(name, None)
@@ -231,6 +273,40 @@ async def test_an_episode_that_fails_is_unscorable_with_the_reason_and_the_next_
 
 
 @pytest.mark.usefixtures("envs")
+async def test_an_envs_agent_calls_its_tasks_tools_served_by_verifiers_and_reads_their_results(chat, monkeypatch):
+    """The Env's toolset runs as verifiers serves it (an MCP server program on the local runtime,
+    its state through verifiers' state channel); rollflow's harness shows its tools, calls them and
+    returns each result, an error too, to the model: in the sequence, out of the loss, and on the
+    trace the task scores."""
+    import json
+
+    from rollflow.agent.server import AgentServer
+
+    shown = []
+    chat_turn = AgentServer.chat_turn
+
+    async def seen(self, episode, body, session):
+        shown.append([t["function"]["name"] for t in body.get("tools", [])])
+        return await chat_turn(self, episode, body, session)
+
+    monkeypatch.setattr(AgentServer, "chat_turn", seen)
+
+    def call(name, **arguments):
+        return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+    turns = [call("board_peek", square="b1"), call("board_peek", square="z9"), "A knight."]
+    sample, _ = await play(source(taskset="env-tool-game"), chat, turns)
+    assert sample.unscorable is None and sample.turns == 3
+    # the toolset's state, kept through verifiers' state channel, is what the task's reward reads
+    assert sample.process_rewards == [(sample.num_tokens - 1, 1.0)]  # one peek that found something
+    assert sample.env_metrics["tool_results"] == 2.0
+    masked = chat.tokenizer.decode([t for t, m in zip(sample.completion_token_ids, sample.loss_mask, strict=True)
+                                    if not m])
+    assert "a knight on b1" in masked and "no such square" in masked
+    assert shown == [["board_peek"]] * 3  # every call showed the model the tool, as verifiers names it
+
+
+@pytest.mark.usefixtures("envs")
 async def test_an_episode_with_two_trainable_agents_is_unscorable_naming_them(chat):
     sample, _ = await play(source(taskset="env-two-players"), chat, ["a", "b"])
     assert "has 2 trainable agents (one, two)" in sample.unscorable
@@ -239,7 +315,8 @@ async def test_an_episode_with_two_trainable_agents_is_unscorable_naming_them(ch
 @pytest.mark.usefixtures("envs")
 @pytest.mark.parametrize(("settings", "wanted"), [
     ({"taskset": "env-shell"}, "runs its agent 'coder' through the harness 'bash', a program"),
-    ({"taskset": "env-tools"}, "runs its own environment (ToolEnv) and has toolsets"),
+    ({"taskset": "env-tools"}, "runs its own environment (ToolEnv), and its toolset Lookup is served by verifiers as "
+                               "a program, `python -m env_tools`, which serves nothing: end that module with"),
     ({"taskset": "sums-taskset", "env_id": "user-sym"}, "no verifiers environment 'user-sym'"),
     ({"taskset": "sums-taskset", "env_id": "user-sym"}, "verifiers' own are "),
     ({"taskset": "sums-taskset", "env_id": "user-sim", "env_args": {"done_marker": ""}},

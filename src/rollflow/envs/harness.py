@@ -1,13 +1,15 @@
-"""rollflow's verifiers harness: verifiers' null harness loop (the model and nothing else),
+"""rollflow's verifiers harness: verifiers' null harness loop (the model and the task's tools),
 run in-process instead of as a program, so a taskset's own `Env` can drive its agents inside the
-run without a sandbox, a subprocess or a download at run time.
+run without a sandbox, a harness program or a download at run time.
 
 verifiers' harness contract is that every model call goes through the rollout's interception
 endpoint (`endpoint`, bearer `secret`); a harness may run its loop in-process if it keeps to that
-(`verifiers.v1.Harness.launch`). This one sends one chat completions call per segment (the task's
-system prompt and its prompt, or the conversation so far when an `Env` resumes the exchange) and
-returns. The interception records the call on the rollout's trace and relays it to the client the
-run gave the episode: rollflow's endpoint, which generates and records every token
+(`verifiers.v1.Harness.launch`). This one sends a chat completions call per turn (the task's
+system prompt and its prompt, or the conversation so far when an `Env` resumes the exchange), and
+while the reply calls tools it calls them on the rollout's tool servers (`mcp_urls`, which
+verifiers serves), appends their results as tool messages and asks again; a reply without a tool
+call ends the segment. The interception records each call on the rollout's trace and relays it to
+the client the run gave the episode: rollflow's endpoint, which generates and records every token
 (`rollflow.envs.taskset_envs`).
 
 `EndpointRelay` is the other end: the interception's model client (a verifiers `Client`),
@@ -15,8 +17,9 @@ answering each relayed call in-process from the run's endpoint (`AgentServer.cha
 checks and recording of its chat completions route, for the episode the rollout's session is
 bound to), with no HTTP hop between the two.
 
-Tools are not served here (`SUPPORTS_MCP` is off: verifiers refuses a toolset at pairing, and
-rollflow refuses such tasksets at start). It is installed as the verifiers harness plugin
+The tools are listed and called over MCP as verifiers' harnesses do (`rollflow.envs.task_tools`:
+`<server>_<tool>` names, a session per call); a call whose arguments are not a JSON object, or a
+tool that fails, answers the model with the error. It is installed as the verifiers harness plugin
 `rollflow-harness` (the `rollflow_harness` module), the id verifiers' loader resolves. verifiers is
 imported by this module: import it only when verifiers is installed.
 """
@@ -24,6 +27,7 @@ imported by this module: import it only when verifiers is installed.
 from __future__ import annotations
 
 import contextvars
+import json
 from typing import Any
 
 import aiohttp
@@ -36,6 +40,8 @@ from verifiers.v1.runtimes import ProgramResult
 
 from rollflow.agent.episode import BadRequest
 from rollflow.agent.server import AgentServer, Refused
+from rollflow.envs.task_tools import ToolServers
+from rollflow.envs.tools import ToolCall
 
 ID = "rollflow-harness"
 """The harness's id in a verifiers `HarnessConfig`."""
@@ -45,7 +51,9 @@ CALL_TIMEOUT_S = 3600.0
 timeout) end a turn long before it."""
 
 
-HTTP: contextvars.ContextVar[aiohttp.ClientSession | None] = contextvars.ContextVar("rollflow_harness_http", default=None)
+HTTP: contextvars.ContextVar[aiohttp.ClientSession | None] = contextvars.ContextVar(
+    "rollflow_harness_http", default=None
+)
 """The HTTP session the harness's calls share (set by the run for its episodes, on aiohttp's pool: a
 session costs milliseconds to make, and httpx's request and response machinery costs more CPU per
 call than the call's own work here); without one, a call makes its own."""
@@ -56,9 +64,11 @@ class InProcessHarnessConfig(vf.HarnessConfig):
 
 
 class InProcessHarness(vf.Harness[InProcessHarnessConfig]):
-    """The null harness's one-call segment, in-process, through the interception endpoint."""
+    """verifiers' null harness loop, in-process, through the interception endpoint: the model's
+    turn, and while it calls tools, their results and the next turn."""
 
     APPENDS_SYSTEM_PROMPT = True
+    SUPPORTS_MCP = True
     SUPPORTS_RESUME = True
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
@@ -79,14 +89,62 @@ class InProcessHarness(vf.Harness[InProcessHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt is not None:
             messages += [message_to_wire(m) for m in prompt]
-        url = endpoint.rstrip("/") + "/chat/completions"
-        body = {"model": ctx.model, "messages": messages}
-        headers = {"Authorization": f"Bearer {secret}"}
+        model = _Model(endpoint, secret, ctx.model)
         shared = HTTP.get()
         if shared is not None:
-            return await _post(shared, url, body, headers)
+            return await self._loop(model, shared, messages, mcp_urls)
         async with harness_http() as session:
-            return await _post(session, url, body, headers)
+            return await self._loop(model, session, messages, mcp_urls)
+
+    async def _loop(
+        self, model: _Model, session: aiohttp.ClientSession, messages: list[dict], mcp_urls: dict[str, str]
+    ) -> ProgramResult:
+        """Turns until one calls no tool; a refused model call ends the segment as the program's
+        failure (verifiers reads a stopped rollout's refusal as the stop it is)."""
+        tools = await ToolServers.at(mcp_urls) if mcp_urls else None
+        while True:
+            reply = await model.chat(session, messages, tools.schemas if tools else None)
+            if isinstance(reply, str):
+                return ProgramResult(exit_code=1, stdout="", stderr=reply)
+            message = reply["choices"][0]["message"]
+            calls = message.get("tool_calls") or []
+            if not calls or tools is None:
+                return ProgramResult(exit_code=0, stdout="", stderr="")
+            messages.append(message)
+            for call in calls:
+                content = await _run_tool(tools, call["function"], self.config.tool_timeout)
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+
+
+class _Model:
+    """The rollout's interception endpoint, as the harness calls it."""
+
+    def __init__(self, endpoint: str, secret: str, model: str) -> None:
+        self.url = endpoint.rstrip("/") + "/chat/completions"
+        self.headers = {"Authorization": f"Bearer {secret}"}
+        self.model = model
+
+    async def chat(self, session: aiohttp.ClientSession, messages: list[dict], tools: list | None) -> dict | str:
+        """The chat completion, or why there is none."""
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        if tools:
+            body["tools"] = tools
+        async with session.post(self.url, json=body, headers=self.headers) as response:
+            if response.status != 200:
+                return f"model call: HTTP {response.status}: {await response.text()}"
+            return await response.json()
+
+
+async def _run_tool(tools: ToolServers, function: dict, timeout_s: float) -> str:
+    """One tool call's result; an error text, for the model, when its arguments are not a JSON
+    object or the tool fails."""
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError as err:
+        return f"error: the tool call's arguments are not valid JSON ({err.msg} at character {err.pos})"
+    if not isinstance(arguments, dict):
+        return f"error: a tool call's arguments are a JSON object, not {type(arguments).__name__}"
+    return await tools.call(ToolCall(function["name"], arguments), timeout_s)
 
 
 def harness_http() -> aiohttp.ClientSession:
@@ -95,16 +153,6 @@ def harness_http() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
     )
-
-
-async def _post(session: aiohttp.ClientSession, url: str, body: dict, headers: dict) -> ProgramResult:
-    """One model call to the interception endpoint; a failed one is the program's failure."""
-    async with session.post(url, json=body, headers=headers) as response:
-        if response.status != 200:
-            why = f"model call: HTTP {response.status}: {await response.text()}"
-            return ProgramResult(exit_code=1, stdout="", stderr=why)
-        await response.read()
-    return ProgramResult(exit_code=0, stdout="", stderr="")
 
 
 class EndpointRelay(Client):

@@ -213,16 +213,30 @@ class ToolServers:
                     await toolset.setup_task(task)
                 server = _class_server(toolset)
                 self.instances[type(toolset)] = toolset
-            for tool in await server.list_tools():
-                name = f"{toolset.server_name}_{tool.name}" if toolset.server_name else tool.name
-                if name in self.tools:
-                    raise ConfigError(f"two toolsets advertise the tool {name!r}; keep their TOOL_PREFIX")
-                schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
-                function = {"name": name, "parameters": schema or {"type": "object"}}
-                if tool.description:
-                    function["description"] = tool.description
-                self.schemas.append({"type": "function", "function": function})
-                self.tools[name] = _caller(server, tool.name, self.instances)
+            await self._learn(toolset.server_name, server)
+
+    @classmethod
+    async def at(cls, urls: dict[str, str]) -> ToolServers:
+        """The tools of the MCP servers at `urls` (server name -> URL, as verifiers hands a harness
+        its rollout's tool servers)."""
+        servers = cls([])
+        for prefix, url in urls.items():
+            await servers._learn(prefix, _Remote(url))
+        return servers
+
+    async def _learn(self, prefix: str, server: Any) -> None:
+        """Add `server`'s tools, named as verifiers' harnesses name them (`<prefix>_<tool>`, bare
+        with no prefix)."""
+        for tool in await server.list_tools():
+            name = f"{prefix}_{tool.name}" if prefix else tool.name
+            if name in self.tools:
+                raise ConfigError(f"two toolsets advertise the tool {name!r}; keep their TOOL_PREFIX")
+            schema = getattr(tool, "inputSchema", None) or getattr(tool, "input_schema", None)
+            function = {"name": name, "parameters": schema or {"type": "object"}}
+            if tool.description:
+                function["description"] = tool.description
+            self.schemas.append({"type": "function", "function": function})
+            self.tools[name] = _caller(server, tool.name, self.instances)
 
     async def call(self, call: ToolCall, timeout_s: float) -> str:
         """The answer to one tool call (an error text when it fails)."""

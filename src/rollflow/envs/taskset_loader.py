@@ -6,8 +6,9 @@ subclass in `__all__`; `taskset_args` are fields of its `TasksetConfig`), checks
 its tasks' hooks, and returns its tasks, its own toolsets, and the `Env` its package runs, if it
 has one (`rollflow.envs.taskset_envs` plays those). Refused, each with a ConfigError: an unknown
 id (with close module names), arguments its config rejects, a module that cannot load or calls
-`sys.exit`, a taskset that ships its own harness (a program), a taskset with its own `Env` and
-toolsets, tasks that need a container, `@vf.intercept` hooks and stops that read the model
+`sys.exit`, a taskset that ships its own harness (a program), a taskset with its own `Env` whose
+toolsets verifiers cannot serve (a module that does not serve its toolset when run), tasks that
+need a container, `@vf.intercept` hooks and stops that read the model
 request, toolsets rollflow cannot serve (`task_tools.check_toolsets`), an infinite taskset
 without `max_tasks`. `task_rows` makes the tasks the run's prompts. The library is imported
 lazily; without it, one error names the extra.
@@ -16,7 +17,9 @@ lazily; without it, one error names the extra.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
+import sys
 from typing import Any, NamedTuple
 
 from rollflow.data_files import Row
@@ -174,14 +177,29 @@ def _check_trainable(vf: Any, taskset_id: str, cls: Any, config: Any, env_cls: A
     if task_type.NEEDS_CONTAINER:
         raise ConfigError(f"{name}: its tasks ({task_type.__name__}) need a container, which rollflow does not run")
     toolsets = [*cls.toolsets(config), *task_type.toolsets(config.task)]
-    if env_cls is not vf.SingleAgentEnv and toolsets:
-        raise ConfigError(
-            f"{name} runs its own environment ({env_cls.__name__}) and has toolsets; rollflow plays an "
-            "environment's agents with the model alone (tools are served to tasks that verifiers' SingleAgentEnv plays)"
-        )
     check_toolsets(toolsets, name)
+    if env_cls is not vf.SingleAgentEnv:
+        for toolset in toolsets:
+            _check_served_by_verifiers(toolset, f"{name} runs its own environment ({env_cls.__name__}), and")
     if cls.INFINITE and not max_tasks:
         raise ConfigError(f"{name} is infinite: give env.max_tasks, how many of its tasks to read")
+
+
+def _check_served_by_verifiers(toolset: Any, name: str) -> None:
+    """ConfigError unless verifiers can serve `toolset` to an `Env`'s episodes: one at a URL, or one
+    whose module serves it when run (`python -m MODULE`, as verifiers launches a tool server)."""
+    if getattr(toolset.config, "url", None):
+        return
+    cls = type(toolset)
+    try:
+        source = inspect.getsource(sys.modules[cls.__module__])
+    except (KeyError, OSError, TypeError):
+        source = ""
+    if "__main__" not in source:
+        raise ConfigError(
+            f"{name} its toolset {cls.__name__} is served by verifiers as a program, `python -m {cls.__module__}`, "
+            f'which serves nothing: end that module with `if __name__ == "__main__": {cls.__name__}.run()`'
+        )
 
 
 def task_messages(task: Any, where: str) -> list[Message]:
