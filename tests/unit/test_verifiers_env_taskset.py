@@ -304,6 +304,11 @@ async def test_an_envs_agent_calls_its_tasks_tools_served_by_verifiers_and_reads
                                     if not m])
     assert "a knight on b1" in masked and "no such square" in masked
     assert shown == [["board_peek"]] * 3  # every call showed the model the tool, as verifiers names it
+    # cut by env.max_turns: the endpoint answers the third call with no turn, and the episode is
+    # scored as it stands
+    cut, _ = await play(source(taskset="env-tool-game"), chat, turns[:2], max_turns=2)
+    assert cut.unscorable is None and cut.turns == 2 and cut.budget == "turns"
+    assert cut.process_rewards == [(cut.num_tokens - 1, 1.0)]
 
 
 @pytest.mark.usefixtures("envs")
