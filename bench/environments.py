@@ -8,7 +8,9 @@ of a v1 taskset whose tasks bring a toolset (calc-taskset: the toolset set up pe
 in-process MCP server, its tools shown), and as episodes of a taskset played by a verifiers `Env`
 (sums-taskset with `env_id = "one-shot-env"`, bench/one_shot_env.py: one agent run each, through
 verifiers' `Env.run_episode`, its interception server and trace, rollflow's in-process harness and
-the run's endpoint), alternating for several rounds in one run.
+the run's endpoint), and as episodes of calc-taskset played by that `Env` (its task's toolset served
+by rollflow in-process to each rollout, its tools listed and shown; verifiers gives a rollout whose
+task has toolsets an interception server of its own), alternating for several rounds in one run.
 
 Every path samples the same number of tokens per question (ignore_eos, fixed max_tokens) on one
 in-process engine of the tiny model; the adapters add what they are: verifiers' rollout, the HTTP
@@ -16,8 +18,8 @@ round trip and the episode's recording for the one, a WebSocket session per epis
 OpenEnv server (started by the bench, as `env.openenv_server` does) for the other. Prints a table
 per adapter, each ending with its RESULT line, `RESULT verifiers_ratio=<x>`, `RESULT
 openenv_ratio=<y>`, `RESULT factory_ratio=<z>`, `RESULT taskset_ratio=<w>`, `RESULT
-tools_taskset_ratio=<v>` and `RESULT env_taskset_ratio=<u>` (median over
-rounds of the adapter's tokens/s divided by `rollout()`'s; 1.0 = no cost).
+tools_taskset_ratio=<v>`, `RESULT env_taskset_ratio=<u>` and `RESULT env_tools_ratio=<t>` (median
+over rounds of the adapter's tokens/s divided by `rollout()`'s; 1.0 = no cost).
 
     bin/dev python bench/environments.py [--requests 32] [--tokens 128] [--rounds 12]
 """
@@ -140,6 +142,12 @@ async def main(args: argparse.Namespace) -> None:
         args.model, spec,
     )  # fmt: skip
     game_prompts = prompts_of(chat, game.rows())
+    tool_game = taskset_episodes(
+        VerifiersEnvConfig(taskset="calc-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens,
+                           env_id="one-shot-env"),
+        args.model, spec,
+    )  # fmt: skip
+    tool_game_prompts = prompts_of(chat, tool_game.rows())
     try:
         await engine.start()
         await server.start()
@@ -153,6 +161,8 @@ async def main(args: argparse.Namespace) -> None:
         await episodes_of(engine, chat, spec, tools, tool_prompts[:4], "warmup")
         await game.start()
         await episodes_of(engine, chat, spec, game, game_prompts[:4], "warmup")
+        await tool_game.start()
+        await episodes_of(engine, chat, spec, tool_game, tool_game_prompts[:4], "warmup")
         through_verifiers = await alternate(
             [
                 ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
@@ -195,7 +205,15 @@ async def main(args: argparse.Namespace) -> None:
             ],
             args.rounds,
         )
+        through_env_tools = await alternate(
+            [
+                ("rollout() directly", lambda tag: direct(engine, chat, spec, prompts, tag)),
+                ("an Env with tools", lambda tag: episodes_of(engine, chat, spec, tool_game, tool_game_prompts, tag)),
+            ],
+            args.rounds,
+        )
     finally:
+        await tool_game.aclose()
         await game.aclose()
         await tools.aclose()
         await env.aclose()
@@ -208,6 +226,7 @@ async def main(args: argparse.Namespace) -> None:
     report(*through_taskset, args, "taskset_ratio")
     report(*through_tools, args, "tools_taskset_ratio")
     report(*through_env, args, "env_taskset_ratio")
+    report(*through_env_tools, args, "env_tools_ratio")
 
 
 if __name__ == "__main__":

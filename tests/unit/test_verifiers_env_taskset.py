@@ -204,6 +204,8 @@ ENVS = {
         __all__ = ["Tooled", "ToolEnv"]
     """,
     "env_tool_game": """
+        import os
+
         import verifiers.v1 as vf
 
         class Seen(vf.State):
@@ -216,12 +218,16 @@ ENVS = {
                 if square == "z9":
                     raise ValueError("no such square")
                 self.state.peeks += 1
-                return f"a knight on {square}"
+                return f"a knight on {square} (process {os.getpid()})"
 
-        class Task(vf.Task[vf.TaskData, Seen, vf.TaskConfig]):
+        class BoardConfig(vf.TaskConfig):
+            board: vf.ToolsetConfig = vf.ToolsetConfig()
+            inline: bool = False  # the toolset's config made in `toolsets`, not one of the task's fields
+
+        class Task(vf.Task[vf.TaskData, Seen, BoardConfig]):
             @classmethod
             def toolsets(cls, config):
-                return [Board(vf.ToolsetConfig())]
+                return [Board(vf.ToolsetConfig() if config.inline else config.board)]
 
             @vf.reward(weight=1.0)
             async def looked(self, trace: vf.Trace) -> float:
@@ -231,7 +237,10 @@ ENVS = {
             async def tool_results(self, trace: vf.Trace) -> float:
                 return float(len(trace.tool_messages))
 
-        class Boards(vf.Taskset[Task, vf.TasksetConfig]):
+        class BoardsConfig(vf.TasksetConfig):
+            task: BoardConfig = BoardConfig()
+
+        class Boards(vf.Taskset[Task, BoardsConfig]):
             def load(self):
                 yield Task(vf.TaskData(idx=0, prompt="what is on b1?"), self.config.task)
 
@@ -272,43 +281,73 @@ async def test_an_episode_that_fails_is_unscorable_with_the_reason_and_the_next_
     assert "upstream 400" in too_long.unscorable and "no room to generate" in too_long.unscorable
 
 
-@pytest.mark.usefixtures("envs")
-async def test_an_envs_agent_calls_its_tasks_tools_served_by_verifiers_and_reads_their_results(chat, monkeypatch):
-    """The Env's toolset runs as verifiers serves it (an MCP server program on the local runtime,
-    its state through verifiers' state channel); rollflow's harness shows its tools, calls them and
-    returns each result, an error too, to the model: in the sequence, out of the loss, and on the
-    trace the task scores."""
+def tool_call(name, **arguments):
     import json
 
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+@pytest.fixture
+def shown(monkeypatch):
+    """The names of the tools each model call that reached the endpoint showed the model."""
     from rollflow.agent.server import AgentServer
 
-    shown = []
+    names = []
     chat_turn = AgentServer.chat_turn
 
     async def seen(self, episode, body, session):
-        shown.append([t["function"]["name"] for t in body.get("tools", [])])
+        names.append([t["function"]["name"] for t in body.get("tools", [])])
         return await chat_turn(self, episode, body, session)
 
     monkeypatch.setattr(AgentServer, "chat_turn", seen)
+    return names
 
-    def call(name, **arguments):
-        return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
 
-    turns = [call("board_peek", square="b1"), call("board_peek", square="z9"), "A knight."]
-    sample, _ = await play(source(taskset="env-tool-game"), chat, turns)
+PEEKS = [tool_call("board_peek", square="b1"), tool_call("board_peek", square="z9"), "A knight."]
+
+
+def tool_text(chat, sample) -> str:
+    return chat.tokenizer.decode([t for t, m in zip(sample.completion_token_ids, sample.loss_mask, strict=True)
+                                  if not m])
+
+
+@pytest.mark.usefixtures("envs")
+async def test_an_envs_agent_calls_its_tasks_tools_served_in_process_and_reads_their_results(chat, shown):
+    """A toolset whose config is one of the task's fields is served by rollflow in this process to
+    each rollout (its own instance, its state on the rollout's trace, as verifiers' state channel
+    keeps it); the harness shows its tools as verifiers names them, calls them and returns each
+    result, an error too, to the model: in the sequence, out of the loss, on the trace the task
+    scores."""
+    import os
+
+    sample, _ = await play(source(taskset="env-tool-game"), chat, PEEKS)
     assert sample.unscorable is None and sample.turns == 3
-    # the toolset's state, kept through verifiers' state channel, is what the task's reward reads
-    assert sample.process_rewards == [(sample.num_tokens - 1, 1.0)]  # one peek that found something
+    assert sample.process_rewards == [(sample.num_tokens - 1, 1.0)]  # the state's one peek that found something
     assert sample.env_metrics["tool_results"] == 2.0
-    masked = chat.tokenizer.decode([t for t, m in zip(sample.completion_token_ids, sample.loss_mask, strict=True)
-                                    if not m])
-    assert "a knight on b1" in masked and "no such square" in masked
-    assert shown == [["board_peek"]] * 3  # every call showed the model the tool, as verifiers names it
+    assert f"a knight on b1 (process {os.getpid()})" in tool_text(chat, sample)  # this process
+    assert "no such square" in tool_text(chat, sample)
+    assert shown == [["board_peek"]] * 3
     # cut by env.max_turns: the endpoint answers the third call with no turn, and the episode is
     # scored as it stands
-    cut, _ = await play(source(taskset="env-tool-game"), chat, turns[:2], max_turns=2)
+    cut, _ = await play(source(taskset="env-tool-game"), chat, PEEKS[:2], max_turns=2)
     assert cut.unscorable is None and cut.turns == 2 and cut.budget == "turns"
     assert cut.process_rewards == [(cut.num_tokens - 1, 1.0)]
+
+
+@pytest.mark.usefixtures("envs")
+async def test_an_envs_toolset_made_inside_toolsets_is_served_by_verifiers_as_its_program(chat, shown):
+    """A toolset config made inside `Task.toolsets` cannot be pointed at rollflow: verifiers serves
+    it as it does for any harness, its module's MCP server program on the local runtime (its state
+    through verifiers' state channel), and the harness calls it there."""
+    import os
+
+    episodes = source(taskset="env-tool-game", taskset_args={"task": {"inline": True}})
+    sample, _ = await play(episodes, chat, PEEKS)
+    assert sample.unscorable is None and sample.turns == 3
+    assert sample.process_rewards == [(sample.num_tokens - 1, 1.0)]
+    assert "a knight on b1 (process " in tool_text(chat, sample)
+    assert f"(process {os.getpid()})" not in tool_text(chat, sample)  # another process
+    assert shown == [["board_peek"]] * 3
 
 
 @pytest.mark.usefixtures("envs")

@@ -40,7 +40,7 @@ from verifiers.v1.runtimes import ProgramResult
 
 from rollflow.agent.episode import BadRequest
 from rollflow.agent.server import AgentServer, Refused
-from rollflow.envs.task_tools import ToolServers
+from rollflow.envs.task_tools import HERE, RolloutTools, ToolServers
 from rollflow.envs.tools import ToolCall
 
 ID = "rollflow-harness"
@@ -50,6 +50,10 @@ CALL_TIMEOUT_S = 3600.0
 """One model call's HTTP deadline; the run's own limits (`env.step_timeout_s`, the episode's
 timeout) end a turn long before it."""
 
+
+TOOLS: contextvars.ContextVar[RolloutTools | None] = contextvars.ContextVar("rollflow_harness_tools", default=None)
+"""The toolsets the run serves in-process to the episode's rollouts (set by the run for each episode
+whose task has toolsets it points at itself, `task_tools.point_here`)."""
 
 HTTP: contextvars.ContextVar[aiohttp.ClientSession | None] = contextvars.ContextVar(
     "rollflow_harness_http", default=None
@@ -90,18 +94,23 @@ class InProcessHarness(vf.Harness[InProcessHarnessConfig]):
         elif prompt is not None:
             messages += [message_to_wire(m) for m in prompt]
         model = _Model(endpoint, secret, ctx.model)
+        tools = await _tools(trace, mcp_urls) if mcp_urls else None
         shared = HTTP.get()
         if shared is not None:
-            return await self._loop(model, shared, messages, mcp_urls)
+            return await self._loop(model, shared, messages, tools, trace)
         async with harness_http() as session:
-            return await self._loop(model, session, messages, mcp_urls)
+            return await self._loop(model, session, messages, tools, trace)
 
     async def _loop(
-        self, model: _Model, session: aiohttp.ClientSession, messages: list[dict], mcp_urls: dict[str, str]
+        self,
+        model: _Model,
+        session: aiohttp.ClientSession,
+        messages: list[dict],
+        tools: ToolServers | None,
+        trace: Any,
     ) -> ProgramResult:
         """Turns until one calls no tool; a refused model call ends the segment as the program's
         failure (verifiers reads a stopped rollout's refusal as the stop it is)."""
-        tools = await ToolServers.at(mcp_urls) if mcp_urls else None
         while True:
             reply = await model.chat(session, messages, tools.schemas if tools else None)
             if isinstance(reply, str):
@@ -112,8 +121,16 @@ class InProcessHarness(vf.Harness[InProcessHarnessConfig]):
                 return ProgramResult(exit_code=0, stdout="", stderr="")
             messages.append(message)
             for call in calls:
-                content = await _run_tool(tools, call["function"], self.config.tool_timeout)
+                content = await _run_tool(tools, call["function"], self.config.tool_timeout, trace)
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+
+
+async def _tools(trace: Any, urls: dict[str, str]) -> ToolServers:
+    """The rollout's tools: those the run serves in-process (`TOOLS`) and those at their URLs."""
+    here = TOOLS.get()
+    if here is not None and any(url.startswith(HERE) for url in urls.values()):
+        return await here.of(trace, urls)
+    return await ToolServers.at(urls)
 
 
 class _Model:
@@ -135,16 +152,23 @@ class _Model:
             return await response.json()
 
 
-async def _run_tool(tools: ToolServers, function: dict, timeout_s: float) -> str:
+async def _run_tool(tools: ToolServers, function: dict, timeout_s: float, trace: Any) -> str:
     """One tool call's result; an error text, for the model, when its arguments are not a JSON
-    object or the tool fails."""
+    object or the tool fails. A toolset served in-process reads and writes the rollout's state on
+    its trace, as verifiers' state channel has it do."""
     try:
         arguments = json.loads(function.get("arguments") or "{}")
     except json.JSONDecodeError as err:
         return f"error: the tool call's arguments are not valid JSON ({err.msg} at character {err.pos})"
     if not isinstance(arguments, dict):
         return f"error: a tool call's arguments are a JSON object, not {type(arguments).__name__}"
-    return await tools.call(ToolCall(function["name"], arguments), timeout_s)
+    if tools.state is None:
+        return await tools.call(ToolCall(function["name"], arguments), timeout_s)
+    tools.state.value = trace.state  # as it stands: the task's hooks may have changed it
+    try:
+        return await tools.call(ToolCall(function["name"], arguments), timeout_s)
+    finally:
+        trace.state = tools.state.value
 
 
 def harness_http() -> aiohttp.ClientSession:

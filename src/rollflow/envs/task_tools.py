@@ -221,6 +221,8 @@ class ToolServers:
         its rollout's tool servers)."""
         servers = cls([])
         for prefix, url in urls.items():
+            if url.startswith(HERE):
+                raise RuntimeError(f"the toolset {prefix!r} is served by rollflow, to the episodes of its run")
             await servers._learn(prefix, _Remote(url))
         return servers
 
@@ -259,3 +261,56 @@ def _caller(server: Any, tool: str, instances: dict[type, Any]) -> Tool:
         return _text(result)
 
     return run
+
+
+HERE = "rollflow-tools:"
+"""The URL scheme of a toolset rollflow serves in-process to the rollouts of an `Env`'s episode
+(`point_here`). verifiers hands a toolset's configured URL to the harness untouched (a toolset at
+a URL is one it does not launch), and rollflow's harness is the one that reads it."""
+
+
+def point_here(task_cls: Any, config: Any) -> tuple[Any, list[int]]:
+    """`config` (a task config) with each of its toolset configs that runs on the local runtime
+    pointed at rollflow (a `HERE` URL), and the positions in `task_cls.toolsets` of the toolsets so
+    pointed: rollflow serves those in-process, verifiers the others. `(config, [])` when none is."""
+    import verifiers.v1 as vf
+    from verifiers.v1.runtimes import SubprocessConfig
+
+    update = {
+        name: value.model_copy(update={"url": HERE + name})
+        for name, value in config
+        if isinstance(value, vf.ToolsetConfig) and not value.url and isinstance(value.runtime, SubprocessConfig)
+    }
+    if not update:
+        return config, []
+    pointed = config.model_copy(update=update)
+    before, after = task_cls.toolsets(config), task_cls.toolsets(pointed)
+    if len(before) != len(after):
+        return config, []
+    return pointed, [i for i, toolset in enumerate(after) if str(toolset.config.url or "").startswith(HERE)]
+
+
+class RolloutTools:
+    """The toolsets of one episode's task that `point_here` pointed at rollflow, served in-process to
+    each of the episode's rollouts (an agent's run): their own instances, set up for the task, as
+    verifiers launches a server per rollout, and their state the rollout trace's, as verifiers'
+    state channel keeps it. The rollout's other tool servers are reached at their URLs."""
+
+    def __init__(self, task: Any, positions: list[int]) -> None:
+        self.task = task
+        self.positions = positions
+        self._rollouts: dict[str, ToolServers] = {}
+
+    async def of(self, trace: Any, urls: dict[str, str]) -> ToolServers:
+        """The tools of the rollout `trace` records, given its tool servers' `urls`."""
+        servers = self._rollouts.get(trace.id)
+        if servers is None:
+            made = type(self.task).toolsets(self.task.config)
+            servers = ToolServers([made[i] for i in self.positions])
+            servers.state = EpisodeState(trace.state)
+            await servers.start(self.task)
+            for prefix, url in urls.items():
+                if not url.startswith(HERE):
+                    await servers._learn(prefix, _Remote(url))
+            self._rollouts[trace.id] = servers
+        return servers

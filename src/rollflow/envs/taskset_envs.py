@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 from typing import Any
 
@@ -154,9 +155,10 @@ class EnvEpisodes(EpisodeSource):
     async def play(
         self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
     ) -> Sample:
-        from rollflow.envs.harness import HTTP
+        from rollflow.envs.harness import HTTP, TOOLS
 
         task = self.tasks[prompt.metadata[KEY]]
+        played, here = self._served_here(task)
         settings = self.settings
         episode = AgentEpisode(prompt, context.sampling, generate, context.chat, endpoint_limits(context, settings))
         key, _ = self.server.open(episode)
@@ -165,12 +167,13 @@ class EnvEpisodes(EpisodeSource):
         metrics: dict[str, float] = {}
         session: str | None = None
         http = HTTP.set(self._http)  # the harness's calls share one client
+        tools = TOOLS.set(here)
         try:
             bind = functools.partial(self._bind, key)
-            played = await asyncio.wait_for(
-                self.env.run_episode(task, self._ctx, on_trace=bind), settings.episode_timeout_s
+            outcome = await asyncio.wait_for(
+                self.env.run_episode(played, self._ctx, on_trace=bind), settings.episode_timeout_s
             )
-            trace = self._trainable(played)
+            trace = self._trainable(outcome)
             session = trace.id
             reward = trace_reward(trace, type(task).__name__, metrics)
         except TimeoutError:
@@ -179,10 +182,25 @@ class EnvEpisodes(EpisodeSource):
         except Unscorable as err:
             failure = f"environment: {err}"
         finally:
+            TOOLS.reset(tools)
             HTTP.reset(http)
             self.server.close(key)
         sample = episode.sample(group_id, index, reward=reward, failure=failure, session=session)
         return msgspec.structs.replace(sample, env_reward=self.name, env_metrics=metrics)
+
+    @staticmethod
+    def _served_here(task: Any) -> tuple[Any, Any]:
+        """The task as the Env plays it, and the toolsets rollflow serves its rollouts: its toolsets
+        on the local runtime, pointed at rollflow (`task_tools.point_here`), served in-process by
+        rollflow's harness; None when it has none (verifiers serves the others)."""
+        from rollflow.envs.task_tools import RolloutTools, point_here
+
+        config, positions = point_here(type(task), task.config)
+        if not positions:
+            return task, None
+        played = copy.copy(task)
+        played.config = config
+        return played, RolloutTools(task, positions)
 
     def _bind(self, key: str, trace: Any) -> None:
         """A rollout of episode `key` was minted: its calls (named by its id) are the episode's."""
