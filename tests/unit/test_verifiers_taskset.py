@@ -189,10 +189,10 @@ TASKSETS = {
                 time.sleep(seconds)
                 return self.prompt
 
-            async def setup_task(self, task) -> None:
-                if task.data.prompt == "broken setup":
+            async def setup_task(self, task) -> None:  # the task's data, as verifiers hands it
+                if task.prompt == "broken setup":
                     raise OSError("the index is missing")
-                self.prompt = task.data.prompt
+                self.prompt = task.prompt
 
         class ToolTask(vf.Task):
             @classmethod

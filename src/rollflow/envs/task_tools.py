@@ -16,10 +16,11 @@ nothing for it either): rollflow lists and calls its tools there over MCP's stre
 session per call as verifiers' harnesses do, and an error result is the model's to read.
 
 A taskset's own toolsets are set up once for the run (`setup`); a task's are made for each
-episode (`setup`, then `setup_task(task)`). A toolset that keeps state across calls (its own
-`State` type) shares the episode's state, as verifiers' state channel does: before each call its
-`self.state` is the episode's state read as the toolset's type, and what the call changed is
-written back as the task's type (`EpisodeState`), the state the task's rewards read on the trace.
+episode (`setup`, then `setup_task` with the task's data, as verifiers' tool servers get it). A
+toolset that keeps state across calls (its own `State` type) shares the episode's state, as
+verifiers' state channel does: before each call its `self.state` is the episode's state read as
+the toolset's type, and what the call changed is written back as the task's type
+(`EpisodeState`), the state the task's rewards read on the trace.
 Refused at start (`check_toolsets`): a stateful toolset at a URL (its state would cross a channel
 rollflow does not serve) and one in a container runtime. Works with mcp 1.x (verifiers 0.3) and 2.x
 (verifiers 0.4).
@@ -210,7 +211,7 @@ class ToolServers:
             else:
                 await toolset.setup()
                 if task is not None:
-                    await toolset.setup_task(task)
+                    await toolset.setup_task(task.data)  # the task's data, as verifiers hands a tool server it
                 server = _class_server(toolset)
                 self.instances[type(toolset)] = toolset
             await self._learn(toolset.server_name, server)
