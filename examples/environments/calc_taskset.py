@@ -8,8 +8,9 @@ is the answer; `used_tools`, weight 0.25: the share of its turns that called a t
 result without an error) and a `@vf.metric` (`tool_calls`). Loaded by id (`[env] kind =
 "verifiers"`, `taskset = "calc-taskset"`) with this folder on sys.path, as an installed taskset
 package would be; examples/verifiers_tools.py trains it. verifiers would run `Calculator` as an MCP
-server program (this module, run: the block at its end); rollflow serves it in-process. When an
-`Env` plays the taskset (`env.env_id`), verifiers serves it to that Env's episodes as that program.
+server program (this module, run: the block at its end); rollflow serves it in-process, also to
+the episodes of an `Env` that plays the taskset (`env.env_id`), since its config is a field of the
+task's config (`CalcTaskConfig.tools`).
 """
 
 from __future__ import annotations

@@ -220,6 +220,10 @@ ENVS = {
                 self.state.peeks += 1
                 return f"a knight on {square} (process {os.getpid()})"
 
+            async def setup_task(self, task):  # the task's data, as verifiers hands it
+                if task.prompt == "what is on the missing board?":
+                    raise OSError("the board is missing")
+
         class BoardConfig(vf.TaskConfig):
             board: vf.ToolsetConfig = vf.ToolsetConfig()
             inline: bool = False  # the toolset's config made in `toolsets`, not one of the task's fields
@@ -243,6 +247,7 @@ ENVS = {
         class Boards(vf.Taskset[Task, BoardsConfig]):
             def load(self):
                 yield Task(vf.TaskData(idx=0, prompt="what is on b1?"), self.config.task)
+                yield Task(vf.TaskData(idx=1, prompt="what is on the missing board?"), self.config.task)
 
         class BoardEnv(vf.Env[vf.SingleAgentEnvConfig]):
             async def run(self, task, agents):
@@ -332,6 +337,8 @@ async def test_an_envs_agent_calls_its_tasks_tools_served_in_process_and_reads_t
     cut, _ = await play(source(taskset="env-tool-game"), chat, PEEKS[:2], max_turns=2)
     assert cut.unscorable is None and cut.turns == 2 and cut.budget == "turns"
     assert cut.process_rewards == [(cut.num_tokens - 1, 1.0)]
+    broken, _ = await play(source(taskset="env-tool-game"), chat, PEEKS, i=1)
+    assert "BoardEnv's episode failed" in broken.unscorable and "the board is missing" in broken.unscorable
 
 
 @pytest.mark.usefixtures("envs")
