@@ -41,7 +41,7 @@ from rollflow.envs import ChatFormat, EpisodeLimits, run_episode
 from rollflow.envs.factory import episodes
 from rollflow.envs.openenv import OpenEnvSource
 from rollflow.envs.source import EpisodeContext, EpisodeSource
-from rollflow.envs.tasksets import TasksetEpisodes, taskset_episodes
+from rollflow.envs.tasksets import taskset_episodes
 from rollflow.models import load_tokenizer, resolve_model
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout
@@ -112,6 +112,17 @@ def prompts_of(chat, rows) -> list[Prompt]:
     ]  # fmt: skip
 
 
+def taskset_of(
+    chat: ChatFormat, spec: SamplingSpec, args: argparse.Namespace, taskset: str, env_id: str = ""
+) -> tuple[EpisodeSource, list[Prompt]]:
+    """`args.requests` tasks of a v1 taskset as a source of episodes (played by `env_id`'s Env when
+    given), and as prompts."""
+    settings = VerifiersEnvConfig(taskset=taskset, taskset_args={"n": args.requests}, max_tokens=args.tokens,
+                                  env_id=env_id)  # fmt: skip
+    source = taskset_episodes(settings, args.model, spec)
+    return source, prompts_of(chat, source.rows())
+
+
 async def main(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(EXAMPLES))
     import openenv_sums
@@ -126,28 +137,10 @@ async def main(args: argparse.Namespace) -> None:
     server = AgentServer(args.model, spec)
     source = OpenEnvSource(openenv_sums.SumsClient, server="openenv_sums:app", sessions=args.requests)
     trl = episodes(FactoryEnvConfig(max_turns=1, max_tokens=args.tokens), Config(), trl_envs.SubmitEnv)
-    taskset = TasksetEpisodes(
-        VerifiersEnvConfig(taskset="sums-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens),
-        args.model,
-    )
-    task_prompts = prompts_of(chat, taskset.rows())
-    tools = TasksetEpisodes(
-        VerifiersEnvConfig(taskset="calc-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens),
-        args.model,
-    )
-    tool_prompts = prompts_of(chat, tools.rows())
-    game = taskset_episodes(
-        VerifiersEnvConfig(taskset="sums-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens,
-                           env_id="one-shot-env"),
-        args.model, spec,
-    )  # fmt: skip
-    game_prompts = prompts_of(chat, game.rows())
-    tool_game = taskset_episodes(
-        VerifiersEnvConfig(taskset="calc-taskset", taskset_args={"n": args.requests}, max_tokens=args.tokens,
-                           env_id="one-shot-env"),
-        args.model, spec,
-    )  # fmt: skip
-    tool_game_prompts = prompts_of(chat, tool_game.rows())
+    taskset, task_prompts = taskset_of(chat, spec, args, "sums-taskset")
+    tools, tool_prompts = taskset_of(chat, spec, args, "calc-taskset")
+    game, game_prompts = taskset_of(chat, spec, args, "sums-taskset", env_id="one-shot-env")
+    tool_game, tool_game_prompts = taskset_of(chat, spec, args, "calc-taskset", env_id="one-shot-env")
     try:
         await engine.start()
         await server.start()
