@@ -17,11 +17,14 @@ answering each relayed call in-process from the run's endpoint (`AgentServer.cha
 checks and recording of its chat completions route, for the episode the rollout's session is
 bound to), with no HTTP hop between the two.
 
-The tools are listed and called over MCP as verifiers' harnesses do (`rollflow.envs.task_tools`:
-`<server>_<tool>` names, a session per call); a call whose arguments are not a JSON object, or a
-tool that fails, answers the model with the error. It is installed as the verifiers harness plugin
-`rollflow-harness` (the `rollflow_harness` module), the id verifiers' loader resolves. verifiers is
-imported by this module: import it only when verifiers is installed.
+The toolsets the run serves itself (`TOOLS`: those `task_tools.point_here` pointed at rollflow)
+are called in-process; the others are listed and called over MCP at their URLs, as verifiers'
+harnesses do (`rollflow.envs.task_tools`: `<server>_<tool>` names, a session per call). A call
+whose arguments are not a JSON object, or a tool that fails, answers the model with the error.
+
+It is installed as the verifiers harness plugin `rollflow-harness` (the `rollflow_harness` module),
+the id verifiers' loader resolves. verifiers is imported by this module: import it only when
+verifiers is installed.
 """
 
 from __future__ import annotations
