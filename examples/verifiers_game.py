@@ -3,6 +3,7 @@ as TextArena's games do), as it is; or a plain taskset through verifiers' `user-
 
     bin/dev python examples/verifiers_game.py            # guess-taskset and its GuessEnv
     bin/dev python examples/verifiers_game.py user-sim   # sums-taskset, a modeled user asks
+    bin/dev python examples/verifiers_game.py user-sim-tools  # calc-taskset: the same, with its tools
 
 `guess-taskset` (examples/environments/guess_taskset.py) is a guessing game: its `GuessEnv`
 answers each guess with "Higher." or "Lower." as the next user turn, and a referee agent (the same
@@ -29,6 +30,9 @@ SETTINGS = {
     "game": ["env.taskset=guess-taskset", "env.taskset_args={n = 32, referee = true}"],
     "user-sim": ["env.taskset=sums-taskset", "env.taskset_args={n = 32}", 'env.env_id="user-sim"',
                  "env.env_args={user = {max_turns = 3}}"],
+    # calc-taskset's Calculator toolset, served in-process to each rollout of the user-sim Env
+    "user-sim-tools": ["env.taskset=calc-taskset", "env.taskset_args={n = 32}", 'env.env_id="user-sim"',
+                       "env.env_args={user = {max_turns = 3}}"],
 }
 
 
