@@ -220,12 +220,18 @@ class ToolServers:
     async def at(cls, urls: dict[str, str]) -> ToolServers:
         """The tools of the MCP servers at `urls` (server name -> URL, as verifiers hands a harness
         its rollout's tool servers)."""
+        here = [prefix for prefix, url in urls.items() if url.startswith(HERE)]
+        if here:
+            raise RuntimeError(f"the toolset {here[0]!r} is served by rollflow, to the episodes of its run")
         servers = cls([])
-        for prefix, url in urls.items():
-            if url.startswith(HERE):
-                raise RuntimeError(f"the toolset {prefix!r} is served by rollflow, to the episodes of its run")
-            await servers._learn(prefix, _Remote(url))
+        await servers.reach(urls)
         return servers
+
+    async def reach(self, urls: dict[str, str]) -> None:
+        """Add the tools of the MCP servers at `urls` that run elsewhere (not `HERE`)."""
+        for prefix, url in urls.items():
+            if not url.startswith(HERE):
+                await self._learn(prefix, _Remote(url))
 
     async def _learn(self, prefix: str, server: Any) -> None:
         """Add `server`'s tools, named as verifiers' harnesses name them (`<prefix>_<tool>`, bare
@@ -310,8 +316,6 @@ class RolloutTools:
             servers = ToolServers([made[i] for i in self.positions])
             servers.state = EpisodeState(trace.state)
             await servers.start(self.task)
-            for prefix, url in urls.items():
-                if not url.startswith(HERE):
-                    await servers._learn(prefix, _Remote(url))
+            await servers.reach(urls)
             self._rollouts[trace.id] = servers
         return servers

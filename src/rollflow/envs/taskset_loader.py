@@ -176,11 +176,11 @@ def _check_trainable(vf: Any, taskset_id: str, cls: Any, config: Any, env_cls: A
     task_type = cls.task_type()
     if task_type.NEEDS_CONTAINER:
         raise ConfigError(f"{name}: its tasks ({task_type.__name__}) need a container, which rollflow does not run")
-    own = task_type.toolsets(config.task)
-    check_toolsets([*cls.toolsets(config), *own], name)
+    shared, own = cls.toolsets(config), task_type.toolsets(config.task)
+    check_toolsets([*shared, *own], name)
     if env_cls is not vf.SingleAgentEnv:  # what rollflow does not serve to an Env's rollouts, verifiers does
         _, here = point_here(task_type, config.task)
-        for toolset in [*cls.toolsets(config), *(t for i, t in enumerate(own) if i not in here)]:
+        for toolset in [*shared, *(t for i, t in enumerate(own) if i not in here)]:
             _check_served_by_verifiers(toolset, f"{name} runs its own environment ({env_cls.__name__}), and")
     if cls.INFINITE and not max_tasks:
         raise ConfigError(f"{name} is infinite: give env.max_tasks, how many of its tasks to read")
