@@ -156,9 +156,7 @@ class Trainer(TrainerState):
         sums, low, high = self.accumulate(batch)
         grad_norm = self._clip()
         if self.distributed:
-            dist.all_reduce(sums)
-            dist.all_reduce(low, op=dist.ReduceOp.MIN)
-            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+            sums, low, high = self._reduced(sums, low, high)
         # A non-finite loss or gradient changes nothing. The norm and the loss are global, so
         # every rank takes the same branch.
         skipped = not math.isfinite(grad_norm) or not math.isfinite(float(sums[0]))
@@ -168,6 +166,17 @@ class Trainer(TrainerState):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return sums, skipped, grad_norm, low, high
+
+    def _reduced(
+        self, sums: torch.Tensor, low: torch.Tensor, high: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every rank's metric sums added and ratio bounds taken, on the device the process
+        group's backend serves (NCCL holds no CPU tensors; gloo does), then back on the CPU."""
+        sums, low, high = (t.to(self.device) for t in (sums, low, high))
+        dist.all_reduce(sums)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        return sums.cpu(), low.cpu(), high.cpu()
 
     def accumulate(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward and backward over this rank's share of the batch, adding into `.grad`.

@@ -123,7 +123,9 @@ def _in_plan_order(
             raise ValueError(f"tensor {name!r} is not the next one in the bucket plan ({meta and meta.name!r})")
         if list(tensor.shape) != meta.shape or dtype_name(tensor.dtype) != meta.dtype:
             raise ValueError(f"{name}: expected {meta.dtype}{meta.shape}, got {tensor.dtype}{list(tensor.shape)}")
-        yield meta, tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        # No `.cpu()`: `copy_` into the destination moves the bytes once, GPU to GPU or GPU to
+        # pinned memory, instead of through a pageable host copy.
+        yield meta, tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     if next(metas, None) is not None:
         raise ValueError("fewer tensors than the bucket plan lists")
 
