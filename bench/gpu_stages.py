@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,8 @@ def stage_machine() -> dict[str, Any]:
     props = torch.cuda.get_device_properties(0)
     for name in ("triton", "liger_kernel", "transformers", "msgspec"):
         try:
-            versions[name] = __import__(name).__version__
+            module = __import__(name)
+            versions[name] = getattr(module, "__version__", None) or metadata.version(name.replace("_", "-"))
         except Exception as err:  # a missing package is what this stage reports
             versions[name] = f"missing ({type(err).__name__})"
     return {"device": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
