@@ -80,3 +80,8 @@ class CheckpointError(RollflowError):
 class TrainingError(RollflowError):
     """Training cannot go on (e.g. repeated non-finite losses); a checkpoint of the last good
     state has been written when possible."""
+
+
+class GuestStuckError(RollflowError):
+    """Users' calls that never returned hold every thread the guest pool may have
+    (`rollflow.guest`); the message names the callable and how many of its calls are stuck."""

@@ -231,3 +231,77 @@ async def test_held_out_prompts_are_played_as_episodes_and_scored_by_the_class(t
     # turn scored without the class would have no reward at all (unscorable)
     assert result.eval_before.unscorable == 0 and result.eval_before.accuracy == 0.0
     assert result.eval_before.versions == [0] and result.eval_after.versions == [1]
+
+
+# ---- user code that fails or blocks (issue: user code costs its episode, never the run) --------
+
+
+async def test_a_constructor_that_raises_makes_its_episode_unscorable_and_runs_off_the_event_loop(tool_chat):
+    import threading
+
+    import trl_envs
+
+    built_on: list[str] = []
+
+    class Flaky(trl_envs.SubmitEnv):
+        made = 0
+
+        def __init__(self):
+            built_on.append(threading.current_thread().name)
+            Flaky.made += 1
+            if Flaky.made == 2:
+                raise ConnectionError("sandbox refused")
+
+    source = source_of(Flaky)
+    sample, _ = await play(source, tool_chat, ["12"])
+    assert sample.unscorable is None
+    sample, _ = await play(source, tool_chat, ["12"], index=1)
+    assert sample.unscorable == "environment: Flaky() raised ConnectionError: sandbox refused"
+    assert threading.main_thread().name not in built_on
+
+
+async def test_a_class_that_cannot_be_built_is_refused_at_start_in_one_line():
+    import trl_envs
+
+    class Broken(trl_envs.SubmitEnv):
+        def __init__(self):
+            raise ValueError("needs an API key")
+
+    source = source_of(Broken)
+    with pytest.raises(ConfigError, match=r"^env.factory: Broken\(\) raised ValueError: needs an API key"):
+        await source.start()
+
+
+async def test_a_slow_tool_is_bounded_by_its_own_timeout_not_the_steps(tool_chat):
+    """A tool call's time is the tool's, bounded by `tool_timeout_s`; its timeout is an error the
+    model reads, as TRL does, and the step timeout does not count it."""
+    import time
+
+    import trl_envs
+
+    class SlowTool(trl_envs.SubmitEnv):
+        def lookup(self, key: str) -> str:
+            """Look a key up.
+
+            Args:
+                key: What to look up.
+            """
+            time.sleep(0.7)
+            return "found"
+
+    source = source_of(SlowTool, step_timeout_s=0.5, tool_timeout_s=1.5)
+    turns = [call("lookup", key="a"), call("submit", answer=12), "Done."]
+    sample, _ = await play(source, tool_chat, turns)
+    assert sample.unscorable is None, sample.unscorable
+    assert "found" in tool_chat.tokenizer.decode(sample.completion_token_ids)
+    assert sample.process_rewards[-1][1] == 1.0
+
+
+def test_a_get_reward_that_is_not_callable_is_refused_at_start():
+    import trl_envs
+
+    class Scored(trl_envs.SubmitEnv):
+        get_reward = 1.0
+
+    with pytest.raises(ConfigError, match=r"env.factory: Scored.get_reward is float, expected a method"):
+        load_classes(Scored, "env.factory")

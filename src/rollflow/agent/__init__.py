@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from rollflow import guest
 from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
 from rollflow.agent.http import http_client
 from rollflow.agent.server import AgentServer
@@ -33,7 +34,8 @@ from rollflow.config import AgentEnvConfig, Config, EndpointConfig
 from rollflow.data_files import Row
 from rollflow.envs import EpisodeLimits, GenerateTurn, Served
 from rollflow.envs.source import EpisodeContext, EpisodeSource
-from rollflow.errors import ConfigError
+from rollflow.errors import ConfigError, GuestStuckError
+from rollflow.guest import name_of
 from rollflow.imports import load_function
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.scoring import finite, is_async, shown
@@ -194,11 +196,13 @@ async def run_agent(
     try:
         if is_async(agent):
             result = await asyncio.wait_for(agent(task, base_url), timeout_s)
-        else:
-            result = await asyncio.wait_for(asyncio.to_thread(agent, task, base_url), timeout_s)
+        else:  # its time counts from when a guest thread starts it
+            result = await guest.call(agent, task, base_url, timeout_s=timeout_s, name=f"agent {name_of(agent)}")
         reward, failure = _checked(result)
     except TimeoutError:
         failure = f"agent: timed out after {timeout_s:g} s (env.episode_timeout_s)"
+    except GuestStuckError as err:
+        failure = str(err)
     except Exception as err:  # the agent's bug ends its episode, not the run
         failure = f"agent: raised {type(err).__name__}: {err}"
     finally:

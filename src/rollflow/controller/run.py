@@ -33,6 +33,7 @@ from rollflow.controller.weights import AdapterWeights, FullWeights, WeightPubli
 from rollflow.engine import ManagedEngine
 from rollflow.errors import ConfigError
 from rollflow.evaluate import HeldOut, HeldOutEpisodes, evaluate_held_out, sampling_spec
+from rollflow.guest import threads as guest_threads
 from rollflow.rundir import OwnedRun
 from rollflow.scoring import RewardFunc
 from rollflow.trainer import TrainerBackend
@@ -126,11 +127,15 @@ class Controller:
 
     async def run(self) -> RunResult:
         owned = OwnedRun(self.output_dir)  # before anything in the directory is read or cut back
+        # Users' sync calls run on the loop's guest pool, sized for the samples in flight; calls
+        # stuck past every thread it may hold stop the run, naming the callable.
+        in_flight = (self.config.run.max_lag + 1) * self.admission.samples_per_step
         try:
             resumed = prepare_output_dir(self.output_dir, self.config, resume=self.resume)
             owned.record("running")
             try:
-                result = await self._run(resumed)
+                with guest_threads().serving(in_flight, on_stuck=self.stall.give_up):
+                    result = await self._run(resumed)
             except BaseException as err:
                 steps = self.training.steps_done if self.training is not None else 0
                 owned.record("failed", steps, f"{type(err).__name__}: {err}")

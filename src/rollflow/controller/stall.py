@@ -86,6 +86,13 @@ class StallWatch:
         the time limit counts from now."""
         self.since = self.clock()
 
+    def give_up(self, message: str) -> None:
+        """Stop the run with `message` as its error (user code stuck past every thread the run
+        may hold: nothing more can be played)."""
+        if self.message is None:
+            self.message = message
+            self.on_stall(message)
+
     def raise_if_fired(self, saved: Path | None) -> None:
         """The run's error once the rule has fired (`saved`: the checkpoint written since)."""
         if self.message is not None:

@@ -30,6 +30,7 @@ from rollflow.config import Config, ToolEnvConfig
 from rollflow.envs.chat import ChatFormat
 from rollflow.envs.protocol import EnvFactory, Environment, EnvStep, EpisodeLimits, GenerateTurn, Served, Turn
 from rollflow.envs.source import EpisodeContext, EpisodeSource
+from rollflow.envs.tools import STEP_LIMIT
 from rollflow.errors import ConfigError
 from rollflow.imports import load_function
 from rollflow.records import Message, Prompt, Sample, SamplingSpec, Segment
@@ -202,8 +203,15 @@ class _EnvFailed(Exception):
 
 
 async def _bounded(call: Awaitable[Any], timeout_s: float, what: str) -> Any:
+    """The environment's `call` within `timeout_s` of its own time (tools it runs are bounded by
+    theirs and not counted: `tools.STEP_LIMIT`)."""
     try:
-        return await asyncio.wait_for(call, timeout_s)
+        async with asyncio.timeout(timeout_s) as limit:
+            token = STEP_LIMIT.set(limit)
+            try:
+                return await call
+            finally:
+                STEP_LIMIT.reset(token)
     except TimeoutError:
         raise _EnvFailed(f"environment: {what} timed out after {timeout_s:g} s") from None
     except Exception as err:  # the environment's bug ends its episode, not the run

@@ -23,19 +23,21 @@ reason (`rollflow.envs.episode`). This module is the adapter only: it plays epis
 
 from __future__ import annotations
 
-import asyncio
 import difflib
+import functools
 import inspect
 import types
 from collections.abc import Callable
 from typing import Any
 
+from rollflow import guest
 from rollflow.config import Config, FactoryEnvConfig
-from rollflow.envs.episode import failed_episode, open_environment, run_episode
-from rollflow.envs.protocol import EnvStep, GenerateTurn, Turn
+from rollflow.envs.episode import failed_episode, run_episode
+from rollflow.envs.protocol import EnvStep, EpisodeLimits, GenerateTurn, Turn
 from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.envs.tools import call_tool, parse_tool_calls
 from rollflow.errors import ConfigError
+from rollflow.guest import raised
 from rollflow.imports import load_function
 from rollflow.records import Message, Prompt, Sample
 from rollflow.scoring import finite, shown
@@ -60,7 +62,10 @@ class EnvironmentClass:
         self.name = name
         self.tools = [m for m, _ in inspect.getmembers(cls, callable) if not m.startswith("_") and m not in RESERVED]
         self.schemas = [schema_of(cls, method, f"{field}: {name}.{method}") for method in self.tools]
-        self.has_reward = callable(getattr(cls, "get_reward", None))
+        reward = getattr(cls, "get_reward", None)
+        if reward is not None and not callable(reward):
+            raise ConfigError(f"{field}: {name}.get_reward is {type(reward).__name__}, expected a method")
+        self.has_reward = reward is not None
 
 
 def schema_of(cls: Any, method: str, where: str) -> dict[str, Any]:
@@ -77,19 +82,26 @@ def schema_of(cls: Any, method: str, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: cannot describe it as a tool ({type(err).__name__}: {err})") from None
 
 
-async def call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """A user's method, sync (on a thread: it may block) or async."""
+async def call(func: Callable[..., Any], timeout_s: float, name: str, **kwargs: Any) -> Any:
+    """A user's method, sync (on a guest thread: it may block; abandoned past `timeout_s`) or
+    async (its caller bounds it)."""
     if inspect.iscoroutinefunction(func):
-        return await func(*args, **kwargs)
-    return await asyncio.to_thread(func, *args, **kwargs)
+        return await func(**kwargs)
+    return await guest.call(functools.partial(func, **kwargs), timeout_s=timeout_s, name=name)
+
+
+async def build(spec: EnvironmentClass, timeout_s: float) -> Any:
+    """A new instance of the class, made on a guest thread (a constructor may block or raise)."""
+    return await guest.call(spec.cls, timeout_s=timeout_s, name=f"{spec.name}()")
 
 
 class ClassEpisode:
     """One episode of one instance, as a rollflow `Environment`."""
 
-    def __init__(self, spec: EnvironmentClass, instance: Any, tool_timeout_s: float) -> None:
+    def __init__(self, spec: EnvironmentClass, instance: Any, limits: EpisodeLimits, tool_timeout_s: float) -> None:
         self.spec = spec
         self.instance = instance
+        self.step_timeout_s = limits.step_timeout_s
         self.tool_timeout_s = tool_timeout_s
         self.tools = {name: getattr(instance, name) for name in spec.tools}
 
@@ -97,7 +109,7 @@ class ClassEpisode:
         row = {k: v for k, v in prompt.metadata.items() if k != SELECTOR}
         if prompt.answer is not None:
             row["answer"] = prompt.answer
-        observation = await call(self.instance.reset, **row)
+        observation = await call(self.instance.reset, self.step_timeout_s, f"{self.spec.name}.reset", **row)
         if observation is not None and not isinstance(observation, str):
             raise TypeError(f"{self.spec.name}.reset returned {shown(observation)}, expected text or None")
         messages = list(prompt.messages)
@@ -121,7 +133,7 @@ class ClassEpisode:
     async def _reward(self) -> float | None:
         if not self.spec.has_reward:
             return None
-        value = await call(self.instance.get_reward)
+        value = await call(self.instance.get_reward, self.step_timeout_s, f"{self.spec.name}.get_reward")
         reward = finite(value)
         if reward is None:
             raise TypeError(f"{self.spec.name}.get_reward returned {shown(value)}, expected a finite number")
@@ -139,6 +151,20 @@ class FactoryEpisodes(EpisodeSource):
         self.settings = settings
         self._instances: dict[str, dict[int, Any]] = {}
         """group id -> sample index -> the instance its episode ran with."""
+
+    async def start(self) -> None:
+        """Build each class once: a class that cannot be built is refused before the run loads
+        anything, in one line."""
+        timeout_s = self.settings.step_timeout_s
+        for spec in self.classes.values():
+            try:
+                await build(spec, timeout_s)
+            except TimeoutError:
+                raise ConfigError(
+                    f"env.factory: {spec.name}() did not return within {timeout_s:g} s (env.step_timeout_s)"
+                ) from None
+            except Exception as err:
+                raise ConfigError(f"env.factory: {spec.name}() {raised(err)}") from None
 
     def _class_for(self, prompt: Prompt) -> EnvironmentClass:
         if None in self.classes:
@@ -158,7 +184,15 @@ class FactoryEpisodes(EpisodeSource):
         except ValueError as err:
             reason = f"environment: {err}"
             return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=reason)
-        episode = ClassEpisode(spec, await open_environment(spec.cls), self.settings.tool_timeout_s)
+        try:
+            instance = await build(spec, limits.step_timeout_s)
+        except TimeoutError:
+            reason = f"environment: {spec.name}() timed out after {limits.step_timeout_s:g} s (env.step_timeout_s)"
+            return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=reason)
+        except Exception as err:  # the class's failure is its episode's
+            reason = f"environment: {spec.name}() {raised(err)}"
+            return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=reason)
+        episode = ClassEpisode(spec, instance, limits, self.settings.tool_timeout_s)
         self._instances.setdefault(group_id, {})[index] = episode.instance
         return await run_episode(
             episode, prompt, context.sampling, generate, context.chat, group_id=group_id, index=index,

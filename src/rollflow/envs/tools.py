@@ -5,25 +5,41 @@ The call format is the one Hermes- and Qwen-style chat templates use:
     <tool_call>{"name": "calculator", "arguments": {"expression": "12 * 7"}}</tool_call>
 
 A tool is a sync or async callable taking the call's arguments as keywords and returning text.
-Sync tools run on a worker thread so a slow one never blocks the event loop. Whatever goes wrong
-(an unknown tool, bad arguments, an exception, a timeout) becomes an error text the model reads as
-the tool's result: a broken tool ends the turn, not the run. A sync tool that hangs cannot be
-killed; its thread is left behind when the timeout answers for it (use async tools for I/O).
+Sync tools run on the run's guest threads (`rollflow.guest`) so a slow one never blocks the event
+loop or rollflow's own threads. Whatever goes wrong (an unknown tool, bad arguments, an exception,
+a timeout) becomes an error text the model reads as the tool's result: a broken tool ends the
+turn, not the run. A sync tool that hangs cannot be killed; its thread is abandoned when the
+timeout answers for it (use async tools for I/O). A tool's time is its own, bounded by its
+timeout: the time limit of the environment call it runs in (`STEP_LIMIT`) is moved on by it.
 This module does not know about episodes or rewards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import msgspec
 
+from rollflow import guest
+
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+STEP_LIMIT: ContextVar[asyncio.Timeout | None] = ContextVar("rollflow_step_limit", default=None)
+"""The time limit of the environment call (a step) that tools run in, if any: a tool's own time
+does not count against it."""
+
+TOOL_MARGIN_S = 1.0
+"""How far past a tool's own timeout the step's limit is held while it runs (the tool's bound
+answers first)."""
 
 Tool = Callable[..., Any]
 """A tool: keyword arguments in, text (or anything `str` turns into text) out; sync or async."""
@@ -66,13 +82,37 @@ async def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float) ->
     tool = tools.get(call.name)
     if tool is None:
         return f"error: unknown tool {call.name!r} (tools: {', '.join(sorted(tools))})"
+    with _own_time(timeout_s):
+        return await _run(tool, call, timeout_s)
+
+
+async def _run(tool: Tool, call: ToolCall, timeout_s: float) -> str:
     try:
         if inspect.iscoroutinefunction(tool):
             result = await asyncio.wait_for(tool(**call.arguments), timeout_s)
         else:
-            result = await asyncio.wait_for(asyncio.to_thread(tool, **call.arguments), timeout_s)
+            bound = functools.partial(tool, **call.arguments)
+            result = await guest.call(bound, timeout_s=timeout_s, name=f"tool {call.name}")
     except TimeoutError:
         return f"error: tool {call.name} timed out after {timeout_s:g} s"
     except Exception as err:  # a tool's failure is the model's observation, never the run's
         return f"error: tool {call.name} raised {type(err).__name__}: {err}"
     return str(result)
+
+
+@contextmanager
+def _own_time(timeout_s: float) -> Iterator[None]:
+    """A tool's time, bounded by `timeout_s`, is not the surrounding step's: its limit is held
+    past the tool's while the tool runs, then moved on by the time the tool took."""
+    step = STEP_LIMIT.get()
+    when = step.when() if step is not None and not step.expired() else None
+    if step is None or when is None:
+        yield
+        return
+    began = time.monotonic()
+    step.reschedule(when + timeout_s + TOOL_MARGIN_S)
+    try:
+        yield
+    finally:
+        if not step.expired():
+            step.reschedule(when + time.monotonic() - began)

@@ -1,0 +1,84 @@
+"""Whole runs (fake engine and trainer) whose users' sync code hangs: a hung call costs its
+episode, never the run, and a run whose every call hangs stops naming what hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+
+import openai
+import pytest
+
+from rollflow.config import load_config
+from rollflow.controller import Controller
+from rollflow.controller.setup import Given
+from rollflow.errors import TrainingError
+from rollflow.ledger import summarize
+from rollflow.models import load_tokenizer, tiny_model_path
+from rollflow.testing import FakeEngine, FakeTrainer, NullTransport
+
+
+@pytest.fixture
+def gate():
+    """What the hanging calls wait on; set at teardown so their threads end with the test."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def _controller(tmp_path, *, overrides, **given):
+    config = load_config(preset="tiny", overrides=["sampling.max_tokens=4", *overrides])
+    return Controller(
+        config,
+        tmp_path,
+        given=Given(engine=FakeEngine(), trainer=FakeTrainer(), transport=NullTransport(),
+                    tokenizer=load_tokenizer(tiny_model_path(0))),
+        **given,
+    )
+
+
+async def test_a_sync_agent_that_hangs_in_one_episode_of_eight_trains_every_step(tmp_path, gate):
+    """Every 8th episode's agent blocks for good; the others make one ordinary call. The hung
+    calls are abandoned at `env.episode_timeout_s` and the run trains all its steps: the hung
+    threads neither starve the run's own thread work nor charge the healthy episodes queued
+    behind them."""
+    episodes = itertools.count()
+
+    def agent(task, base_url):
+        if next(episodes) % 8 == 7:
+            gate.wait()
+            return 0.0
+        with openai.OpenAI(base_url=base_url, api_key=task.api_key, max_retries=0) as client:
+            reply = client.chat.completions.create(model=task.model, messages=task.messages, max_tokens=4)
+        return float(len(reply.choices[0].message.content or "") % 2)
+
+    controller = _controller(
+        tmp_path, agent=agent,
+        overrides=["run.max_steps=6", "env.kind=agent", "env.episode_timeout_s=1", "run.stall_timeout_s=60"],
+    )
+    began = time.monotonic()
+    result = await asyncio.wait_for(controller.run(), 120)
+    assert result.steps == 6 and summarize(tmp_path).ok
+    assert next(episodes) >= 8 * 6, "fewer episodes than the steps needed"
+    assert time.monotonic() - began < 90
+
+
+async def test_a_run_whose_every_sync_agent_call_hangs_stops_naming_the_callable(tmp_path, gate):
+    """Every episode hangs: the run stops within `run.stall_timeout_s` (plus a margin), its error
+    names the timeout, and it does not wait for the hung threads to return."""
+
+    def hangs(task, base_url):
+        gate.wait()
+
+    controller = _controller(
+        tmp_path, agent=hangs,
+        overrides=["run.max_steps=4", "env.kind=agent", "env.episode_timeout_s=0.5", "run.stall_timeout_s=5"],
+    )
+    began = time.monotonic()
+    with pytest.raises(TrainingError) as stopped:
+        await asyncio.wait_for(controller.run(), 60)
+    assert time.monotonic() - began < 5 + 30
+    message = str(stopped.value)
+    assert "timed out after 0.5 s (env.episode_timeout_s)" in message or "hangs" in message, message
