@@ -78,10 +78,11 @@ class GuestThreads:
 
     # ---- what callers use --------------------------------------------------------------------
 
-    async def call(self, func: Callable[..., Any], *args: Any, timeout_s: float, name: str) -> Any:
+    async def call(self, func: Callable[..., Any], *args: Any, timeout_s: float | None, name: str) -> Any:
         """`func(*args)` on a guest thread, in this task's context (keyword arguments through
         `functools.partial`); `TimeoutError` when it runs longer than `timeout_s` once started (the
-        call is abandoned, not waited for); `name` names it in messages. What it raises is raised
+        call is abandoned, not waited for; None: the caller bounds it by cancelling, which abandons
+        it too); `name` names it in messages. What it raises is raised
         here (`SystemExit` too, as an ordinary failure)."""
         loop = asyncio.get_running_loop()
         call = _Call(func, args, name, loop, loop.create_future())
@@ -215,7 +216,7 @@ def threads() -> GuestThreads:
     return pool
 
 
-async def call(func: Callable[..., Any], *args: Any, timeout_s: float, name: str) -> Any:
+async def call(func: Callable[..., Any], *args: Any, timeout_s: float | None, name: str) -> Any:
     """`func(*args)` on the running loop's guest pool (`GuestThreads.call`)."""
     return await threads().call(func, *args, timeout_s=timeout_s, name=name)
 

@@ -82,3 +82,46 @@ async def test_a_run_whose_every_sync_agent_call_hangs_stops_naming_the_callable
     assert time.monotonic() - began < 5 + 30
     message = str(stopped.value)
     assert "timed out after 0.5 s (env.episode_timeout_s)" in message or "hangs" in message, message
+
+
+async def test_a_part_whose_close_hangs_or_raises_is_named_and_the_rest_still_close(tmp_path, monkeypatch, caplog):
+    """A reward function whose `aclose` hangs, and one whose `aclose` raises: the run still
+    returns, the engine still closes, and each is named in the log."""
+    import rollflow.controller.run as run_module
+
+    monkeypatch.setattr(run_module, "CLOSE_TIMEOUT_S", 0.5)
+
+    class Hangs:
+        __name__ = "hangs"
+
+        def __call__(self, prompts, completions, **kwargs):
+            return [1.0] * len(completions)
+
+        async def aclose(self):
+            await asyncio.sleep(3600)
+
+    class Raises(Hangs):
+        __name__ = "raises"
+
+        async def aclose(self):
+            raise OSError("socket already gone")
+
+    closed = []
+
+    class Engine(FakeEngine):
+        async def aclose(self):
+            closed.append("engine")
+            await super().aclose()
+
+    config = load_config(preset="tiny", overrides=["sampling.max_tokens=4", "run.max_steps=2"])
+    controller = Controller(config, tmp_path, reward_funcs={"hangs": Hangs()},
+                            given=Given(engine=Engine(), trainer=FakeTrainer(), transport=NullTransport()))
+    result = await asyncio.wait_for(controller.run(), 60)
+    assert result.steps == 2 and closed == ["engine"]
+    assert "closing the reward scorer: it did not close within 0.5 s" in caplog.text
+
+    controller = Controller(config, tmp_path / "b", reward_funcs={"raises": Raises()},
+                            given=Given(engine=Engine(), trainer=FakeTrainer(), transport=NullTransport()))
+    await asyncio.wait_for(controller.run(), 60)
+    assert closed == ["engine", "engine"]
+    assert "closing the reward scorer: it raised OSError: socket already gone" in caplog.text

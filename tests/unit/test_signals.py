@@ -110,3 +110,57 @@ def test_a_first_signal_the_blocked_event_loop_never_takes_ends_the_process_and_
     assert "the event loop did not take the stop request within 2 s" in err
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["state"] == "failed" and "did not take the stop request" in status["error"]
+
+
+STUCK = textwrap.dedent(
+    """
+    import asyncio, sys, threading
+    from pathlib import Path
+    from rollflow.cli.train import stop_on_signals
+    from rollflow.rundir import OwnedRun
+
+    async def main(out):
+        loop = asyncio.get_running_loop()
+        owned = OwnedRun(Path(out))
+        owned.record("running")
+        stop_on_signals(loop, lambda: print("stop asked", flush=True), asyncio.current_task().cancel,
+                        grace_s=2.0, stop_s=3.0)
+        # The step never ends: a non-daemon thread that never returns (as a default-executor
+        # thread holding a user's hung call), and a loop that waits for it without a bound.
+        stuck = threading.Thread(target=threading.Event().wait)
+        stuck.start()
+        print("ready", flush=True)
+        try:
+            await loop.run_in_executor(None, stuck.join)
+        except asyncio.CancelledError:
+            owned.record("stopped", 0, "cancelled")
+            raise
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+def test_one_sigterm_ends_a_run_whose_step_never_ends_within_its_bound(tmp_path):
+    """The event loop takes the stop request, but the step it waits for never ends (stuck
+    threads): one SIGTERM still ends the process, the run cancelled after `stop_s` and cut off
+    `grace_s` later, with status.json saying why."""
+    import json
+
+    proc = subprocess.Popen([sys.executable, "-c", STUCK, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("still running 30 s after one SIGTERM")
+    assert time.monotonic() - began < 15
+    assert proc.returncode == 130, (out, err)
+    assert "stop asked" in out
+    assert "did not stop within 3 s of SIGTERM; stopping now" in err
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["state"] in ("stopped", "failed") and status["error"], status

@@ -19,7 +19,6 @@ scored on its own. The library is imported lazily; without it, one error names t
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import difflib
 import functools
@@ -28,6 +27,7 @@ import pkgutil
 from importlib import metadata
 from typing import Any
 
+from rollflow import guest
 from rollflow.agent import AgentEpisodes, AgentTask
 from rollflow.agent.http import http_client
 from rollflow.config import Config, VerifiersEnvConfig
@@ -35,6 +35,7 @@ from rollflow.data_files import Row
 from rollflow.envs import Served
 from rollflow.envs.source import EpisodeSource
 from rollflow.errors import ConfigError, DataError
+from rollflow.guest import name_of
 from rollflow.records import Message
 from rollflow.scoring import finite, is_async, shown
 
@@ -117,13 +118,14 @@ def _guarded(func: Any, *, record: bool) -> Any:
     if getattr(func, "__rollflow_guarded__", False):
         return func
     name = getattr(func, "__name__", repr(func))
+    shown_name = f"{'reward function' if record else 'tool'} {name_of(func)}"
     sync = not is_async(func)
 
     @functools.wraps(func)
     async def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            if sync:
-                result = await asyncio.to_thread(func, *args, **kwargs)
+            if sync:  # bounded by verifiers' caller (the episode's timeout), which cancels it
+                result = await guest.call(functools.partial(func, *args, **kwargs), timeout_s=None, name=shown_name)
             else:
                 result = await func(*args, **kwargs)
         except Exception as err:

@@ -100,6 +100,11 @@ async def _train(args: argparse.Namespace) -> int:
 STOP_GRACE_S = 5.0
 """After a second Ctrl-C, how long the run may take to stop before the process exits anyway."""
 
+STOP_WAIT_S = 8.0
+"""After the first Ctrl-C or SIGTERM, how long the run may take to end its step and checkpoint
+before it is cancelled as by a second signal (a step held by stuck code never ends); with
+`STOP_GRACE_S` after it, one signal ends any run within 15 s."""
+
 BLOCKED_LOOP_S = 10.0
 """After the first Ctrl-C or SIGTERM, how long the event loop has to take the stop request (it
 does at once unless code blocks it) before the process exits anyway."""
@@ -111,12 +116,15 @@ def stop_on_signals(
     cancel: Callable[[], object],
     grace_s: float = STOP_GRACE_S,
     blocked_s: float = BLOCKED_LOOP_S,
+    stop_s: float = STOP_WAIT_S,
 ) -> None:
     """SIGINT / SIGTERM: the first asks the run to stop after its step (`stop`); the second
     cancels it (`cancel`), and if the process is still alive `grace_s` later (an event loop
     blocked by user code or by a huge allocation never runs the cancellation), it exits with
-    130; a third exits at once. A first signal whose request the event loop has not taken
-    `blocked_s` later (code blocks the loop, so no step can end either) exits with 130 too.
+    130; a third exits at once. A first signal whose run has not ended `stop_s` later (its step
+    waits for code that never returns) cancels it as a second would. A first signal whose request
+    the event loop has not taken `blocked_s` later (code blocks the loop, so no step can end
+    either) exits with 130 too.
 
     The handlers are plain signal handlers, which Python runs between bytecodes on the main
     thread even while the event loop is blocked; they only hand work to the loop
@@ -142,6 +150,11 @@ def stop_on_signals(
         timer.daemon = True
         timer.start()
 
+    def cancel_now(why: str) -> None:
+        print(f"\n{why}; stopping now", file=sys.stderr)
+        loop.call_soon_threadsafe(cancel)
+        after(grace_s, f"the run did not stop within {grace_s:g} s")
+
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal count
         count += 1
@@ -160,10 +173,16 @@ def stop_on_signals(
                 f"the event loop did not take the stop request within {blocked_s:g} s (code blocks it)",
                 taken,
             )
+
+            def overdue() -> None:
+                if count == 1:  # a second signal has cancelled it already
+                    cancel_now(f"the run did not stop within {stop_s:g} s of {name}")
+
+            timer = threading.Timer(stop_s, overdue)
+            timer.daemon = True
+            timer.start()
         elif count == 2:
-            print(f"\n{name}: stopping now", file=sys.stderr)
-            loop.call_soon_threadsafe(cancel)
-            after(grace_s, f"the run did not stop within {grace_s:g} s")
+            cancel_now(name)
         else:
             now(f"{name} a third time")
 

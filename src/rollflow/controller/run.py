@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState
 from rollflow.config import Config, dump_config
 from rollflow.controller.accounting import Accounting
+from rollflow.controller.closing import CLOSE_TIMEOUT_S, close_within
 from rollflow.controller.persistence import Checkpointer, Outputs, prepare_output_dir
 from rollflow.controller.producer import Producer
 from rollflow.controller.result import RunResult
@@ -127,18 +128,21 @@ class Controller:
 
     async def run(self) -> RunResult:
         owned = OwnedRun(self.output_dir)  # before anything in the directory is read or cut back
-        # Users' sync calls run on the loop's guest pool, sized for the samples in flight; calls
-        # stuck past every thread it may hold stop the run, naming the callable.
-        in_flight = (self.config.run.max_lag + 1) * self.admission.samples_per_step
+        in_flight = (self.config.run.max_lag + 1) * self.admission.samples_per_step  # sizes the guest pool
         try:
             resumed = prepare_output_dir(self.output_dir, self.config, resume=self.resume)
             owned.record("running")
             try:
-                with guest_threads().serving(in_flight, on_stuck=self.stall.give_up):
+                with guest_threads().serving(in_flight, on_stuck=self.stall.give_up):  # stuck calls stop it
                     result = await self._run(resumed)
             except BaseException as err:
-                steps = self.training.steps_done if self.training is not None else 0
-                owned.record("failed", steps, f"{type(err).__name__}: {err}")
+                training = self.training
+                steps, last = (training.steps_done, self.checkpointer.last) if training is not None else (0, None)
+                if not isinstance(err, asyncio.CancelledError):
+                    owned.record("failed", steps, f"{type(err).__name__}: {err}")
+                else:  # stopped: a stop whose step did not end in time (the CLI's signals)
+                    state = "stopped" if self._stop.is_set() else "failed"
+                    owned.record(state, steps, f"cancelled before its step ended; last checkpoint: {last}")
                 raise
             owned.record("stopped" if result.stopped else "finished", result.first_step + result.steps)
             return result
@@ -312,15 +316,16 @@ class Controller:
         self.checkpointed = Checkpointed(flow, parts.sampler, self.producer, self.training, out, self.checkpointer)
 
     async def _teardown(self) -> None:
-        """Account for every prompt, then release ranks, threads, scorers, transport and engine."""
+        """Account for every prompt, then close each part under its own bound (`close_within`)."""
         self._settle()
-        await self.producer.aclose()
-        await self._close_episodes()
-        await self.parts.runner.aclose()
-        await self.plan.scorer.aclose()
-        await self.plan.eval_scorer.aclose()
-        await self.parts.transport.aclose()
-        await self.flow.supervisor.aclose()
+        parts: dict[str, Callable[[], Awaitable[None]]] = {
+            "the producer": self.producer.aclose, "the source of episodes": self._close_episodes,
+            "the trainer ranks": self.parts.runner.aclose, "the reward scorer": self.plan.scorer.aclose,
+            "the held-out scorer": self.plan.eval_scorer.aclose, "the weight transport": self.parts.transport.aclose,
+            "the engine": self.flow.supervisor.aclose,
+        }  # fmt: skip
+        for name, close in parts.items():
+            await close_within(name, close, CLOSE_TIMEOUT_S)
         self.outputs.close()
 
     def _settle(self) -> None:

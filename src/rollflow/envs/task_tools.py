@@ -29,7 +29,6 @@ This module does not play episodes (`rollflow.envs.tasksets`).
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import copy
 import functools
@@ -40,6 +39,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from rollflow import guest
 from rollflow.envs.tools import Tool, ToolCall, call_tool
 from rollflow.errors import ConfigError
 
@@ -165,17 +165,13 @@ def _dispatch(cls: type, fn: Callable[..., Any]) -> Callable[..., Any]:
         method = getattr(instance, name)
         shared = _STATE.get()
         if shared is None or instance._state_cls is State:  # stateless: `self.state` is inert
-            return await (method(*args, **kwargs) if inspect.iscoroutinefunction(method) else
-                          asyncio.to_thread(method, *args, **kwargs))  # fmt: skip
+            return await _call(method, args, kwargs)
         adapter = instance._state_adapter
         state = adapter.validate_json(shared.adapter.dump_json(shared.value))  # the episode's, as the toolset reads it
         before = adapter.dump_json(state)
         token = _call_state.set(state)  # what the toolset's `self.state` returns during the call
         try:
-            if inspect.iscoroutinefunction(method):
-                result = await method(*args, **kwargs)
-            else:
-                result = await asyncio.to_thread(method, *args, **kwargs)  # the thread sees the same context
+            result = await _call(method, args, kwargs)  # a guest thread sees the same context
         finally:
             _call_state.reset(token)
         after = adapter.dump_json(state)
@@ -185,6 +181,14 @@ def _dispatch(cls: type, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     call.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
     return call
+
+
+async def _call(method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A toolset's method: a sync one on a guest thread, bounded by its caller (the tool call's timeout)."""
+    if inspect.iscoroutinefunction(method):
+        return await method(*args, **kwargs)
+    name = f"tool {getattr(method, '__qualname__', method)}"
+    return await guest.call(functools.partial(method, *args, **kwargs), timeout_s=None, name=name)
 
 
 class ToolServers:

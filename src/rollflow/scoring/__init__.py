@@ -29,14 +29,15 @@ signal for smoke tests). Remote reward servers: `rollflow.scoring.remote.RemoteR
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import msgspec
 
+from rollflow import guest
 from rollflow.config import RewardConfig, ScoringConfig
 from rollflow.errors import ConfigError
 from rollflow.imports import load_function
@@ -221,7 +222,6 @@ class Scorer:
     def __init__(self, rewards: list[Reward], *, max_concurrency: int = 16) -> None:
         self.rewards = rewards
         self._slots = asyncio.Semaphore(max_concurrency)
-        self._threads = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollflow-reward")
 
     async def score(
         self,
@@ -291,10 +291,9 @@ class Scorer:
                 values = reward.func(prompts, completions, **columns)
             elif reward.is_async:
                 values = await asyncio.wait_for(reward.func(prompts, completions, **columns), reward.timeout_s)
-            else:
-                loop = asyncio.get_running_loop()
-                call = loop.run_in_executor(self._threads, lambda: reward.func(prompts, completions, **columns))
-                values = await asyncio.wait_for(call, reward.timeout_s)
+            else:  # a guest thread: one that hangs is abandoned at its timeout, never waited for
+                bound = functools.partial(reward.func, prompts, completions, **columns)
+                values = await guest.call(bound, timeout_s=reward.timeout_s, name=f"reward {reward.name}")
         except TimeoutError:
             return [], f"timed out after {reward.timeout_s:g} s"
         except Exception as err:  # a broken reward makes its samples unscorable, not 0
@@ -309,7 +308,6 @@ class Scorer:
             close = getattr(reward.func, "aclose", None)
             if close is not None:
                 await close()
-        self._threads.shutdown(wait=False, cancel_futures=True)
 
 
 def finite(value: Any) -> float | None:
