@@ -166,20 +166,45 @@ async def test_calls_of_two_sessions_are_two_conversations_and_the_sample_is_one
 
 
 async def test_a_bound_session_selects_its_episode_at_the_runs_one_url_until_the_episode_ends(chat, agent_server):
+    """The run's own client (its relay key) reaches a bound session's episode; a session header
+    alone is no key."""
     ep, _ = episode(chat, ["bound"])
     key, _ = agent_server.open(ep)
     agent_server.bind("rollout-1", key)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    relay = {"Authorization": f"Bearer {agent_server.relay_key}"}
     async with aiohttp.ClientSession() as http:
         url = f"{agent_server.url}/v1/chat/completions"
-        async with http.post(url, json=body, headers={"X-Session-ID": "rollout-1"}) as response:
+        async with http.post(url, json=body, headers={"X-Session-ID": "rollout-1", **relay}) as response:
             assert response.status == 200 and (await response.json())["choices"][0]["message"]["content"] == "bound"
-        async with http.post(url, json=body, headers={"X-Session-ID": "rollout-2"}) as response:
-            assert response.status == 401  # an unbound session is no key
-        agent_server.close(key)
         async with http.post(url, json=body, headers={"X-Session-ID": "rollout-1"}) as response:
+            assert response.status == 401  # a session header is no key
+        async with http.post(url, json=body, headers={"X-Session-ID": "rollout-2", **relay}) as response:
+            assert response.status == 401  # an unbound session
+        agent_server.close(key)
+        async with http.post(url, json=body, headers={"X-Session-ID": "rollout-1", **relay}) as response:
             assert response.status == 401
     assert ep.lanes["rollout-1"].calls == 1
+
+
+async def test_a_wrong_key_is_refused_even_with_another_episodes_bound_session(chat, agent_server):
+    """The key decides the episode; a session header only chooses among that episode's sessions."""
+    mine, _ = episode(chat, ["mine"])
+    theirs, _ = episode(chat, ["theirs"])
+    my_key, _ = agent_server.open(mine)
+    their_key, _ = agent_server.open(theirs)
+    agent_server.bind("their-rollout", their_key)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    url = f"{agent_server.url}/v1/chat/completions"
+    async with aiohttp.ClientSession() as http:
+        for secret in ("wrong", agent_server.api_key(my_key)):
+            headers = {"Authorization": f"Bearer {secret}", "X-Session-ID": "their-rollout"}
+            async with http.post(url, json=body, headers=headers) as response:
+                assert response.status == 401, secret
+                assert (await response.json())["error"]["code"] == "invalid_api_key"
+    assert all(lane.calls == 0 for ep in (mine, theirs) for lane in ep.lanes.values())
+    agent_server.close(my_key)
+    agent_server.close(their_key)
 
 
 def msgspec_replace(sample, **changes):
@@ -453,3 +478,37 @@ async def test_an_agent_object_with_an_async_call_is_awaited(chat, agent_server)
     ep, _ = episode(chat, [CALL, "5"])
     sample = await run_agent(_AgentObject(), ep, agent_server, group_id="g0", index=0, timeout_s=30)
     assert sample.unscorable is None and sample.process_rewards == [(sample.num_tokens - 1, 1.0)]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [1]}, "tools[0]"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+         "tools[0]"),
+        ("chat/completions",
+         {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": 3}}]},
+         "tools[0]"),
+    ],
+)
+async def test_a_malformed_chat_tools_list_is_a_400_naming_the_tool(chat, agent_server, route, body, param):
+    """Chat completions refuses what Responses and Messages refuse (a `tools` entry that is not a
+    function tool was a bare 500, or was passed to the template as it was)."""
+    ep, _ = episode(chat, ["ok"])
+    key, base_url = agent_server.open(ep)
+    async with aiohttp.ClientSession() as http, http.post(f"{base_url}/{route}", json={"model": "tiny", **body}) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["param"] == param
+    agent_server.close(key)
+
+
+async def test_an_anthropic_tool_result_with_no_matching_tool_use_is_a_400(chat, agent_server):
+    ep, _ = episode(chat, ["ok"])
+    key, base_url = agent_server.open(ep)
+    stray = {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "4"}
+    body = {"model": "tiny", "max_tokens": 10, "messages": [{"role": "user", "content": [stray]}]}
+    async with aiohttp.ClientSession() as http, http.post(f"{base_url}/messages", json=body) as r:
+        assert r.status == 400
+        error = (await r.json())["error"]
+        assert error["type"] == "invalid_request_error" and "toolu_nope" in error["message"]
+    agent_server.close(key)

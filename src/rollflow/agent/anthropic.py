@@ -94,6 +94,9 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
+        asked = (
+            {c["id"] for c in (out[-1].get("tool_calls") or [])} if out and out[-1]["role"] == "assistant" else set()
+        )
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ("user", "assistant"):
             raise BadRequest(f'{param}.role: expected "user" or "assistant", got {role!r}', f"{param}.role")
@@ -101,12 +104,14 @@ def _conversation(messages: Any) -> list[dict[str, Any]]:
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise BadRequest(f"{param}.content: expected a string or a list of content blocks", f"{param}.content")
-        out += _assistant(blocks, param) if role == "assistant" else _user(blocks, param)
+        out += _assistant(blocks, param) if role == "assistant" else _user(blocks, param, asked)
     return out
 
 
-def _user(blocks: list[Any], param: str) -> list[dict[str, Any]]:
-    """A user turn: its tool results as tool messages and its text as user messages, in order."""
+def _user(blocks: list[Any], param: str, asked: set[str]) -> list[dict[str, Any]]:
+    """A user turn: its tool results as tool messages and its text as user messages, in order.
+    Each tool result answers a `tool_use` of the assistant turn before it (`asked`), as Anthropic's
+    API requires."""
     out: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         where = f"{param}.content[{j}]"
@@ -117,6 +122,11 @@ def _user(blocks: list[Any], param: str) -> list[dict[str, Any]]:
             else:
                 out.append({"role": "user", "content": str(block.get("text", ""))})
         elif kind == "tool_result":
+            if block.get("tool_use_id") not in asked:
+                raise BadRequest(
+                    f"{where}: tool_use_id {block.get('tool_use_id')!r} answers no tool_use block of the previous "
+                    "(assistant) message", f"{where}.tool_use_id",
+                )  # fmt: skip
             content = block.get("content", "")
             text = _text(content, f"{where}.content") if content is not None else ""
             out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": text})

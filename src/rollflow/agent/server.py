@@ -11,9 +11,11 @@ of its own (`api_key`) that dies with it; a call with no key, or a wrong or expi
 in the dialect's error shape and never reaches another episode.
 A call with an `X-Session-ID` header belongs to that session of its episode: each session is a
 conversation of its own (a program that runs several agents in one episode, verifiers' `Env`s),
-and the episode's sample is one session's (`AgentEpisode.sample`). A source that learns its
-program's session ids as they are minted binds them to the episode (`bind`): a call to the run's
-one URL naming a bound session needs no key, so one model client serves every episode.
+and the episode's sample is one session's (`AgentEpisode.sample`). The key decides the episode; a
+session header only chooses among its sessions (naming another episode's is a 401). A source that
+learns its program's session ids as they are minted binds them to the episode (`bind`): a call
+with the run's relay key (`relay_key`, the run's own client's) naming a bound session is that
+session's episode's, so one model client serves every episode.
 
 A chat request the run cannot honour — another model, a sampling setting other than the run's
 (the importance-sampling correction assumes the run's distribution), `n` > 1, constrained
@@ -39,7 +41,7 @@ from typing import Any
 from aiohttp import web
 
 from rollflow.agent import anthropic, responses
-from rollflow.agent.dialect import check_run_settings, positive, stop_sequences
+from rollflow.agent.dialect import check_run_settings, function_tool, positive, stop_sequences, tool_list
 from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
 from rollflow.records import SamplingSpec
 
@@ -113,6 +115,9 @@ class AgentServer:
         """Responses API: episode id -> response id -> the conversation it ended, until the episode ends."""
         self._runner: web.AppRunner | None = None
         self.requests = 0
+        self.relay_key = secrets.token_urlsafe(24)
+        """The key of the run's own model client (a verifiers `Env`'s): with it, a bound session
+        selects its episode."""
 
     @property
     def url(self) -> str:
@@ -154,7 +159,7 @@ class AgentServer:
 
     def bind(self, session: str, key: str) -> None:
         """Calls to the run's one URL naming `session` (`X-Session-ID`, a rollout id a program
-        minted for episode `key`: verifiers' `Env`s) are episode `key`'s, with no key of their own:
+        minted for episode `key`: verifiers' `Env`s) with the run's `relay_key` are episode `key`'s:
         the program's model client is then one for every episode."""
         self._sessions[session] = key
         self._bound.setdefault(key, []).append(session)
@@ -197,20 +202,24 @@ class AgentServer:
         return key, episode, body
 
     def _key_of(self, request: web.Request) -> str:
-        """The episode a call to the run's one URL is for, by its bound session or its key; `Refused`
-        (401) otherwise."""
-        bound = self._sessions.get(request.headers.get(SESSION_HEADER, ""))
-        if bound is not None:
-            return bound
+        """The episode a call to the run's one URL is for, by its key (the relay key: by its bound
+        session); `Refused` (401) otherwise, and when its session is another episode's."""
         bearer = request.headers.get("Authorization", "")
         secret = request.headers.get("x-api-key") or (bearer[7:] if bearer.startswith("Bearer ") else "")
+        owner = self._sessions.get(request.headers.get(SESSION_HEADER, ""))
+        if secret == self.relay_key and owner is not None:
+            return owner
         if not secret:
             raise Refused(401, "no API key: give the episode's key (Authorization: Bearer KEY or x-api-key)",
                            "invalid_api_key")  # fmt: skip
-        if secret not in self._keys:
+        key = self._keys.get(secret)
+        if key is None:
             raise Refused(401, "this API key belongs to no running episode (a wrong key, or its episode ended)",
                            "invalid_api_key")  # fmt: skip
-        return self._keys[secret]
+        if owner is not None and owner != key:
+            raise Refused(401, f"the {SESSION_HEADER} names a session of another episode than this key's",
+                           "invalid_api_key")  # fmt: skip
+        return key
 
     def session_episode(self, session: str | None) -> AgentEpisode | None:
         """The running episode a bound session belongs to (`bind`), if any."""
@@ -286,9 +295,7 @@ class AgentServer:
             raise BadRequest(
                 'tool_choice must be "auto" or "none": a forced call would need constrained decoding', "tool_choice"
             )
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise BadRequest("expected a list of tools", "tools")
+        tools = tool_list(body.get("tools"), _chat_tool)
         limit = positive(body.get("max_completion_tokens", body.get("max_tokens")), "max_completion_tokens")
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
@@ -399,6 +406,18 @@ async def _events(request: web.Request, events: list[tuple[str, dict[str, Any]]]
         await stream.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
     await stream.write_eof()
     return stream
+
+
+def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
+    """One chat completions tool, checked as Responses and Messages check theirs."""
+    function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise BadRequest(
+            f'{where}: expected {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}', where
+        )
+    if not isinstance(function.get("parameters", {}), dict):
+        raise BadRequest(f"{where}.function.parameters: expected a JSON schema object", f"{where}.function.parameters")
+    return function_tool(function["name"], function.get("parameters"), function.get("description"))
 
 
 def _openai_error(err: BadRequest | Refused) -> web.StreamResponse:

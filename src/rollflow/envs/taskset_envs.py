@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import copy
 import functools
+import os
 from typing import Any
 
 import msgspec
@@ -41,9 +42,9 @@ from rollflow.envs.tasksets import Unscorable, trace_reward
 from rollflow.errors import ConfigError
 from rollflow.records import Prompt, Sample, SamplingSpec
 
-NO_KEY = "ROLLFLOW_NO_API_KEY"
-"""The variable verifiers reads the model client's key from: none is needed (the rollout's bound
-session selects the episode), so the name of one that is never set."""
+RELAY_KEY = "ROLLFLOW_RELAY_API_KEY"
+"""The variable verifiers reads the model client's key from: the endpoint's relay key, with which
+the rollout's bound session selects its episode."""
 
 HARNESSES = (None, "null")
 """An agent's harness pins rollflow's harness replaces: none (the taskset's default) and verifiers'
@@ -118,7 +119,8 @@ class EnvEpisodes(EpisodeSource):
         await self.server.start()
         # One client config for every episode (the run's one URL; each rollout's session is bound to
         # its episode), so verifiers' interception keeps one model client for the run.
-        client = EvalClientConfig(base_url=f"{self.server.url}/v1", api_key_var=NO_KEY)
+        os.environ[RELAY_KEY] = self.server.relay_key  # what verifiers' client sends as its key
+        client = EvalClientConfig(base_url=f"{self.server.url}/v1", api_key_var=RELAY_KEY)
         self._ctx = ModelContext(model=self.server.model, client=client)
         self._http = harness_http()
         try:
