@@ -26,6 +26,8 @@ def load_function(spec: str, field: str) -> Callable[..., Any]:
         raise ConfigError(f"{field}: cannot import module {module_name!r} ({err})") from None
     except SystemExit as err:  # a module that exits while loading must not end the run silently
         raise ConfigError(f"{field}: importing {module_name!r} called sys.exit({err.code!r})") from None
+    except Exception as err:  # the module's own bug, in one line (its traceback is the user's to get)
+        raise ConfigError(f"{field}: importing {module_name!r} raised {type(err).__name__}: {err}") from None
     func = getattr(module, attribute, None)
     if not callable(func):
         raise ConfigError(f"{field}: {module_name!r} has no function {attribute!r}")

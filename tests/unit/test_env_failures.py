@@ -5,6 +5,7 @@ names the case it guards (docs/reliability.md lists them)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -419,3 +420,27 @@ def test_a_new_run_dir_is_new_each_time_and_every_training_example_uses_one(tmp_
     for example in sorted((request.config.rootpath / "examples").glob("*.py")):
         text = example.read_text()
         assert not re.search(r"rollflow\.train\(\s*config,\s*f?\"runs/", text), f"{example.name}: a fixed folder"
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "spec"),
+    [("agent", "env.function", "broken_at_import:agent"), ("factory", "env.factory", "broken_at_import:Env"),
+     ("openenv", "env.client", "broken_at_import:Client")],
+)
+def test_a_module_that_raises_while_imported_is_refused_in_one_line_with_exit_2(tmp_path, kind, field, spec):
+    """A module named by `env.function`, `env.factory` or `env.client` with a bug at import: one
+    line naming the field, the module and the error, exit 2 (not a traceback)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "broken_at_import.py").write_text("import os\nLIMIT = 1 / 0\n")
+    extra = ["--set", "env.url=http://127.0.0.1:9"] if kind == "openenv" else []
+    done = subprocess.run(
+        [sys.executable, "-m", "rollflow", "train", "--preset", "tiny", "--output-dir", str(tmp_path / "run"),
+         "--set", f"env.kind={kind}", "--set", f"{field}={spec}", *extra],
+        capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert field in lines[0] and "broken_at_import" in lines[0] and "ZeroDivisionError: division by zero" in lines[0]
