@@ -674,3 +674,30 @@ def test_serving_tools_in_process_leaves_the_applications_logging_as_it_was():
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
     assert configured == ([], logging.WARNING)
+
+
+def _tasks(*keys):
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(key=key, data=SimpleNamespace(system_prompt="", prompt=f"task {key}", answer="1"))
+            for key in keys]
+
+
+def test_prompt_ids_are_unique_whenever_task_keys_are():
+    """Readable keys that share their first 16 characters (`openai/gsm8k:train:N`) stay apart:
+    in-flight tracking, checkpoints, the ledger and eval groups key on the prompt id."""
+    from rollflow.envs.taskset_loader import task_rows
+
+    keys = [f"openai/gsm8k:train:{n}" for n in range(12)]
+    rows, by_key = task_rows("gsm8k", _tasks(*keys))
+    assert len({row.id for row in rows}) == len(keys) == len(by_key)
+
+
+def test_tasks_with_the_same_key_are_kept_once_with_one_warning(caplog):
+    """verifiers' own evaluation tolerates duplicate content; the taskset loads, each key once."""
+    from rollflow.envs.taskset_loader import task_rows
+
+    rows, by_key = task_rows("dup", _tasks("a", "b", "a", "c", "b", "a"))
+    assert len(rows) == 3 and sorted(by_key) == ["a", "b", "c"]
+    warnings = [r for r in caplog.records if "same key" in r.getMessage()]
+    assert len(warnings) == 1 and "3 tasks" in warnings[0].getMessage()

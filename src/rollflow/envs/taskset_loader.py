@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import itertools
+import logging
 import sys
 from typing import Any, NamedTuple
 
@@ -26,6 +27,8 @@ from rollflow.data_files import Row
 from rollflow.envs.task_tools import check_toolsets, point_here
 from rollflow.errors import ConfigError, DataError
 from rollflow.records import Message
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = (0, 3, 1), (0, 5, 0)
 """verifiers versions whose v1 tasksets this adapter runs: at least the first, below the second."""
@@ -110,21 +113,27 @@ def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int, env_id: 
 
 def task_rows(name: str, tasks: list[Any]) -> tuple[list[Row], dict[str, Any]]:
     """The tasks as the run's prompts, each under the id `NAME-<the task's key>` (verifiers' stable
-    task identity), and the tasks by key; DataError for two tasks with one key."""
+    task identity, whole: ids are unique whenever keys are), and the tasks by key. Tasks with the
+    same key (the same content) are kept once, with one warning, as verifiers' evaluation does."""
     rows: list[Row] = []
     by_key: dict[str, Any] = {}
+    repeated = 0
     for i, task in enumerate(tasks):
         where = f"{name} task {i}"
         if task.key in by_key:
-            raise DataError(f"{where}: its key {task.key!r} is another task's too; task keys must be unique")
+            repeated += 1
+            continue
         answer = getattr(task.data, "answer", None)
         by_key[task.key] = task
         rows.append(
             Row(
-                id=f"{name}-{task.key[:16]}", messages=task_messages(task, where),
+                id=f"{name}-{task.key}", messages=task_messages(task, where),
                 answer=None if answer is None else str(answer), task=name, metadata={KEY: task.key}, source=where,
             )
         )  # fmt: skip
+    if repeated:
+        log.warning("env.taskset: %s: %d tasks have the same key (the same content) as an earlier one; each is "
+                    "kept once", name, repeated)  # fmt: skip
     return rows, by_key
 
 
