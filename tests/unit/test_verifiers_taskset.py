@@ -701,3 +701,20 @@ def test_tasks_with_the_same_key_are_kept_once_with_one_warning(caplog):
     assert len(rows) == 3 and sorted(by_key) == ["a", "b", "c"]
     warnings = [r for r in caplog.records if "same key" in r.getMessage()]
     assert len(warnings) == 1 and "3 tasks" in warnings[0].getMessage()
+
+
+@pytest.mark.usefixtures("tasksets")
+@pytest.mark.parametrize(("env", "wanted"), [
+    ('taskset = "sums-taskset"\nepisode_timeout_s = 30.0',
+     "env.episode_timeout_s: 'sums-taskset' has no Env of its own"),
+    ('taskset = "sums-taskset"\nmax_model_tokens = 100\ntime_budget_s = 5.0',
+     "env.max_model_tokens, env.time_budget_s: 'sums-taskset' has no Env of its own"),
+    ('taskset = "sums-taskset"\nargs = {n = 3}', "env.args: arguments of a classic environment"),
+    ('environment = "vf-sums"\ntaskset_args = {n = 3}\nmax_tasks = 2',
+     "env.taskset_args, env.max_tasks: they configure a v1 taskset"),
+])
+def test_settings_the_chosen_variant_would_ignore_are_refused_at_load(env, wanted):
+    config = load_config(preset="tiny", overrides=[])
+    with pytest.raises(ConfigError) as err:
+        episode_source(Config(model=config.model, env=msgspec_env(f'kind = "verifiers"\n{env}')))
+    assert wanted in str(err.value)

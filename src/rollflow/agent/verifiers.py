@@ -274,6 +274,13 @@ def episodes(settings: VerifiersEnvConfig, config: Config) -> EpisodeSource:
         )
     if not settings.taskset and (settings.env_id or settings.env_args):
         raise ConfigError('env.env_id, env.env_args: an Env plays a v1 taskset; give taskset = "ID" too')
+    given = [f"env.{name}" for name in ("taskset_args", "max_tasks") if getattr(settings, name)]
+    if not settings.taskset and given:
+        raise ConfigError(f'{", ".join(given)}: they configure a v1 taskset (taskset = "ID"); a classic '
+                          "environment's arguments are env.args")  # fmt: skip
+    if settings.taskset and settings.args:
+        raise ConfigError("env.args: arguments of a classic environment's load_environment; a taskset's "
+                          "config fields are env.taskset_args")  # fmt: skip
     if settings.taskset:
         from rollflow.envs.tasksets import taskset_episodes
 

@@ -263,7 +263,25 @@ def taskset_episodes(settings: VerifiersEnvConfig, model: str, sampling: Samplin
     refused at start), played here, or by its own `Env` (`rollflow.envs.taskset_envs`)."""
     loaded = load_taskset(settings.taskset, settings.taskset_args, settings.max_tasks, settings.env_id)
     if loaded.env is None:
+        _refuse_env_bounds(settings)
         return TasksetEpisodes(settings, model, loaded)
     from rollflow.envs.taskset_envs import EnvEpisodes
 
     return EnvEpisodes(settings, model, sampling, loaded)
+
+
+ENV_BOUNDS = ("episode_timeout_s", "max_model_tokens", "time_budget_s")
+"""Settings that bound the episodes an `Env` plays through the endpoint; rollflow plays a taskset
+without one turn by turn, each call bounded by `env.step_timeout_s`."""
+
+
+def _refuse_env_bounds(settings: VerifiersEnvConfig) -> None:
+    """ConfigError naming the `ENV_BOUNDS` given for a taskset that has no `Env` (they would be ignored)."""
+    defaults = {f.name: f.default for f in msgspec.structs.fields(settings)}
+    given = [f"env.{name}" for name in ENV_BOUNDS if getattr(settings, name) != defaults[name]]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: {settings.taskset!r} has no Env of its own, so nothing would apply "
+            "them (its episodes are played turn by turn, each call within env.step_timeout_s); "
+            "remove them, or give env.env_id"
+        )
