@@ -512,3 +512,37 @@ async def test_an_anthropic_tool_result_with_no_matching_tool_use_is_a_400(chat,
         error = (await r.json())["error"]
         assert error["type"] == "invalid_request_error" and "toolu_nope" in error["message"]
     agent_server.close(key)
+
+
+async def test_in_a_multi_agent_episode_the_trained_sample_carries_only_its_agents_budget_and_interruptions(chat):
+    """The coach's session runs out of turns and its turn was interrupted by a weight update; the
+    player's sample (the trained one) names neither."""
+    import msgspec
+
+    script = ScriptedTurns(chat, ["player one", "coach one"])
+
+    async def generate(token_ids, spec, n):
+        turn = await script(token_ids, spec, n)
+        coaching = "Cheer" in chat.tokenizer.decode(token_ids)
+        return msgspec.structs.replace(turn, interruptions=2 if coaching else 0)
+
+    prompt = Prompt(id="p1", token_ids=[1], messages=[Message(role="user", content="Guess.")])
+    ep = AgentEpisode(prompt, SPEC, generate, chat, EpisodeLimits(max_turns=1, max_tokens=512))
+    await ep.complete([{"role": "user", "content": "Guess a number."}], session="player")
+    coach = [{"role": "user", "content": "Cheer the player on."}]
+    reply = await ep.complete(coach, session="coach")
+    again = [*coach, {"role": "assistant", "content": reply.content}, {"role": "user", "content": "Again."}]
+    assert (await ep.complete(again, session="coach")).finish_reason == "length"  # the coach's turns are spent
+    player = ep.sample("g0", 0, reward=1.0, failure=None, session="player")
+    assert player.budget is None and player.interruptions == 0
+    coach_sample = ep.sample("g0", 0, reward=1.0, failure=None, session="coach")
+    assert coach_sample.budget == "turns" and coach_sample.interruptions == 2
+
+
+async def test_a_time_budget_spent_before_the_first_call_is_named_as_such(chat):
+    ep, _ = episode(chat, ["late"], time_budget_s=0.01)
+    await asyncio.sleep(0.05)
+    reply = await ep.complete([{"role": "user", "content": "hi"}])
+    assert reply.finish_reason == "length"
+    sample = ep.sample("g0", 0, reward=None, failure=None)
+    assert sample.unscorable == "agent: env.time_budget_s (0.01 s) was spent before its first turn"

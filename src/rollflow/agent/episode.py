@@ -92,6 +92,12 @@ class Conversation:
         )
 
 
+BUDGET_SETTINGS = {
+    "turns": "max_turns", "tokens": "max_tokens", "model_tokens": "max_model_tokens", "time": "time_budget_s",
+}  # fmt: skip
+"""Each budget an episode's call can find spent, and the `[env]` setting that sets it."""
+
+
 @dataclass(eq=False)
 class Lane:
     """The calls of one session of an episode (`X-Session-ID`): its conversations and its turns."""
@@ -101,6 +107,10 @@ class Lane:
     """Conversations ended by a history rewrite, oldest first."""
     calls: int = 0
     """Model turns generated."""
+    interruptions: int = 0
+    """Weight updates its turns were interrupted by."""
+    budget: str | None = None
+    """The first budget that refused one of its calls or cut its turn short (`BUDGET_SETTINGS`)."""
 
 
 def text_of(content: Any, param: str) -> str:
@@ -178,11 +188,8 @@ class AgentEpisode:
         """Each session's calls (None: calls that name no session)."""
         self.lane: str | None = None
         """The session of the latest call."""
-        self.interruptions = 0
         self.model_tokens = 0
         """Tokens the model generated in the episode, every sequence of it."""
-        self.budget: str | None = None
-        """The first budget that refused a call or cut a turn short (`BUDGETS`), if any."""
         self.started = time.monotonic()
         self.ended = False
         """The episode's sample has been taken: later calls are refused and change nothing."""
@@ -192,6 +199,11 @@ class AgentEpisode:
     def current(self) -> Conversation | None:
         """The latest call's conversation."""
         return self.lanes[self.lane].current
+
+    @property
+    def budget(self) -> str | None:
+        """The budget that refused or cut the latest call's session's calls first, if any."""
+        return self.lanes[self.lane].budget
 
     @property
     def calls(self) -> int:
@@ -220,24 +232,24 @@ class AgentEpisode:
             lane = self.lanes.setdefault(session, Lane())
             spent = self._spent(lane)
             if spent is not None:
-                return self._out_of(spent)
+                return self._out_of(lane, spent)
             conv = self._continue(lane, keys, tools)
             if conv is None:
-                return self._out_of("tokens")
+                return self._out_of(lane, "tokens")
             left, which = self._left(conv)
             asked = min(max_tokens or self.sampling.max_tokens, self.sampling.max_tokens)
             if min(asked, left) <= 0:
-                return self._out_of(which)
+                return self._out_of(lane, which)
             spec = msgspec.structs.replace(self.sampling, max_tokens=min(asked, left), seed=seed)
             turn = await self.generate(conv.opening + conv.tokens, spec, lane.calls)
             self._refuse_if_ended()  # the episode ended while its turn was generated: the turn is not its
             n, text, matched = self._cut(turn.completion_token_ids, stop or [])
             finish = "stop" if matched is not None else turn.finish_reason
             if finish == "length" and left < asked:  # the episode's budget, not the call's, cut the turn
-                self.budget = self.budget or which
+                lane.budget = lane.budget or which
             lane.calls += 1
             self.model_tokens += n
-            self.interruptions += turn.interruptions
+            lane.interruptions += turn.interruptions
             token_ids, logprobs = turn.completion_token_ids[:n], turn.logprobs[:n]
             conv.tokens += token_ids
             conv.logprobs += logprobs
@@ -273,9 +285,9 @@ class AgentEpisode:
             return limits.max_model_tokens - self.model_tokens, "model_tokens"
         return room, "tokens"
 
-    def _out_of(self, budget: str) -> Reply:
-        """The answer to a call that finds `budget` spent: no turn, the stop reason `length`."""
-        self.budget = self.budget or budget
+    def _out_of(self, lane: Lane, budget: str) -> Reply:
+        """The answer to a call of `lane` that finds `budget` spent: no turn, the stop reason `length`."""
+        lane.budget = lane.budget or budget
         return Reply(content="", finish_reason="length")
 
     def _cut(self, token_ids: list[int], stop: list[str]) -> tuple[int, str, str | None]:
@@ -380,7 +392,7 @@ class AgentEpisode:
         lane = self.lanes.get(self.lane if session is None else session) or Lane()
         conv = lane.current
         if conv is None:
-            failure = failure or "agent: made no call to its endpoint"
+            failure = failure or self._no_turn(lane)
         steps = [(len(conv.tokens) - 1, reward)] if conv is not None and conv.tokens and reward is not None else []
         return Sample(
             prompt_id=self.prompt.id,
@@ -393,10 +405,18 @@ class AgentEpisode:
             loss_mask=list(conv.mask) if conv is not None else [],
             finish_reason=conv.finish_reason if conv is not None else "stop",
             sampling=self.sampling,
-            interruptions=self.interruptions,
+            interruptions=lane.interruptions,
             unscorable=failure,
             process_rewards=steps,
             turns=max(lane.calls, 1),
             segments=[c.segment() for c in lane.closed],
-            budget=self.budget,
+            budget=lane.budget,
         )
+
+    def _no_turn(self, lane: Lane) -> str:
+        """Why an episode has no turn: its agent made no call, or a budget was spent before the first."""
+        if lane.budget is None:
+            return "agent: made no call to its endpoint"
+        setting = BUDGET_SETTINGS[lane.budget]
+        value = f"{getattr(self.limits, setting):g}" + (" s" if lane.budget == "time" else "")
+        return f"agent: env.{setting} ({value}) was spent before its first turn"
