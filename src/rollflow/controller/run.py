@@ -19,9 +19,9 @@ from typing import Any
 
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState
+from rollflow.closing import CLOSE_TIMEOUT_S, close_within
 from rollflow.config import Config, dump_config
 from rollflow.controller.accounting import Accounting
-from rollflow.controller.closing import CLOSE_TIMEOUT_S, close_within
 from rollflow.controller.persistence import Checkpointer, Outputs, prepare_output_dir
 from rollflow.controller.producer import Producer
 from rollflow.controller.result import RunResult
