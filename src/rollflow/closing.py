@@ -1,8 +1,9 @@
-"""Closing a run's parts each under its own bound.
+"""Closing things each under its own bound.
 
-A teardown closes many parts (the engine, the trainer ranks, scorers, the source of episodes);
-one that raises or hangs must not keep the others open. `close_within` closes one, names it in
-the log when it fails or hangs, and returns either way. It decides nothing about the order.
+A teardown closes many parts (a run's engine, trainer ranks, scorers and source of episodes; an
+episode's toolsets); one that raises or hangs must not keep the others open. `close_within`
+closes one, names it in the log when it fails or hangs, and returns either way. It decides
+nothing about the order.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ async def test_a_part_whose_close_hangs_or_raises_is_named_and_the_rest_still_cl
     returns, the engine still closes, and each is named in the log."""
     import rollflow.controller.run as run_module
 
-    monkeypatch.setattr(run_module, "CLOSE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(run_module, "CLOSE_TIMEOUT_S", 0.5)  # the bound the controller passes
 
     class Hangs:
         __name__ = "hangs"

@@ -214,6 +214,46 @@ TASKSETS = {
 
         __all__ = ["ToolTasks"]
     """,
+    "ts_closing_tools": """
+        import contextlib
+
+        import verifiers.v1 as vf
+
+        OPENED, CLOSED = [], []
+
+        class Held(vf.Toolset[vf.ToolsetConfig, vf.State]):
+            @vf.tool
+            def peek(self) -> str:
+                \"\"\"What this episode's toolset holds.\"\"\"
+                return self.prompt
+
+            async def setup_task(self, task) -> None:
+                self.prompt = task.prompt
+                OPENED.append(task.prompt)
+
+                @contextlib.asynccontextmanager
+                async def held():  # a sandbox, a connection: what verifiers closes with its exit stack
+                    yield
+                    CLOSED.append(task.prompt)
+
+                await self._exit_stack.enter_async_context(held())
+
+        class HeldTask(vf.Task):
+            @classmethod
+            def toolsets(cls, config):
+                return [Held(vf.ToolsetConfig())]
+
+            @vf.reward
+            async def done(self, trace: vf.Trace) -> float:
+                return 1.0
+
+        class HeldTasks(vf.Taskset[HeldTask, vf.TasksetConfig]):
+            def load(self):
+                for i, prompt in enumerate(["first", "second"]):
+                    yield HeldTask(vf.TaskData(idx=i, prompt=prompt), self.config.task)
+
+        __all__ = ["HeldTasks"]
+    """,
     "ts_stateful_tools": """
         import verifiers.v1 as vf
 
@@ -718,3 +758,18 @@ def test_settings_the_chosen_variant_would_ignore_are_refused_at_load(env, wante
     with pytest.raises(ConfigError) as err:
         episode_source(Config(model=config.model, env=msgspec_env(f'kind = "verifiers"\n{env}')))
     assert wanted in str(err.value)
+
+
+@pytest.mark.usefixtures("tasksets")
+async def test_each_episodes_task_toolsets_are_closed_when_it_ends(chat):
+    """What a toolset set up for an episode holds (its exit stack, as verifiers closes it when its
+    server ends) is released when the episode ends, whether it was scored or cut short."""
+    import ts_closing_tools
+
+    episodes = source(taskset="ts-closing-tools")
+    await episodes.start()
+    await play(episodes, chat, [call("peek"), "done"], i=0, max_tokens=900)
+    assert ts_closing_tools.CLOSED == ["first"]
+    await play(episodes, chat, [call("peek"), call("peek")], i=1, max_tokens=900, max_turns=1)
+    assert ts_closing_tools.CLOSED == ["first", "second"] == ts_closing_tools.OPENED
+    await episodes.aclose()

@@ -40,6 +40,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from rollflow import guest
+from rollflow.closing import close_within
 from rollflow.envs.tools import Tool, ToolCall, call_tool
 from rollflow.errors import ConfigError
 
@@ -191,6 +192,10 @@ async def _call(method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     return await guest.call(functools.partial(method, *args, **kwargs), timeout_s=None, name=name)
 
 
+TOOLSET_CLOSE_S = 30.0
+"""How long a toolset set up for an episode may take to release what it holds."""
+
+
 class ToolServers:
     """Toolsets registered on in-process MCP servers: their tools' chat schemas and calls."""
 
@@ -250,6 +255,13 @@ class ToolServers:
                 function["description"] = tool.description
             self.schemas.append({"type": "function", "function": function})
             self.tools[name] = _caller(server, tool.name, self.instances)
+
+    async def aclose(self, timeout_s: float = TOOLSET_CLOSE_S) -> None:
+        """Release what the toolsets set up here hold (each one's exit stack, as verifiers' server
+        closes it when it ends), each within `timeout_s`; one that raises or hangs is logged."""
+        instances, self.instances = list(self.instances.values()), {}
+        for toolset in instances:
+            await close_within(f"the toolset {type(toolset).__name__}", toolset._exit_stack.aclose, timeout_s)
 
     async def call(self, call: ToolCall, timeout_s: float) -> str:
         """The answer to one tool call (an error text when it fails)."""
@@ -311,6 +323,12 @@ class RolloutTools:
         self.task = task
         self.positions = positions
         self._rollouts: dict[str, ToolServers] = {}
+
+    async def aclose(self) -> None:
+        """Release every rollout's toolsets (the episode has ended)."""
+        rollouts, self._rollouts = list(self._rollouts.values()), {}
+        for servers in rollouts:
+            await servers.aclose()
 
     async def of(self, trace: Any, urls: dict[str, str]) -> ToolServers:
         """The tools of the rollout `trace` records, given its tool servers' `urls`."""

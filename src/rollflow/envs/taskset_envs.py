@@ -187,6 +187,8 @@ class EnvEpisodes(EpisodeSource):
             TOOLS.reset(tools)
             HTTP.reset(http)
             self.server.close(key)
+            if here is not None:  # what the rollouts' toolsets hold is the episode's
+                await here.aclose()
         sample = episode.sample(group_id, index, reward=reward, failure=failure, session=session)
         return msgspec.structs.replace(sample, env_reward=self.name, env_metrics=metrics)
 

@@ -203,6 +203,9 @@ class TasksetEpisodes(EpisodeSource):
             why = f"{type(err).__name__}: {err}"
             raise ConfigError(f"env.taskset: setting up {self.name!r}'s toolsets raised {why}") from err
 
+    async def aclose(self) -> None:
+        await self.shared.aclose()
+
     def rows(self) -> list[Row]:
         return self._rows
 
@@ -210,8 +213,19 @@ class TasksetEpisodes(EpisodeSource):
         self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
     ) -> Sample:
         task = self.tasks[prompt.metadata[KEY]]
+        own = ToolServers(type(task).toolsets(task.config))
+        try:
+            return await self._play(task, own, prompt, group_id=group_id, index=index, generate=generate,
+                                    context=context)  # fmt: skip
+        finally:  # what the task's toolsets hold is the episode's: released with it
+            await own.aclose()
+
+    async def _play(
+        self, task: Any, own: ToolServers, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn,
+        context: EpisodeContext,
+    ) -> Sample:  # fmt: skip
         limits = context.limits(self.settings)
-        tools, failure = await self._tools_for(task)
+        tools, failure = await self._tools_for(task, own)
         if failure is not None:
             return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=failure,
                                   reward_name=self.name)  # fmt: skip
@@ -226,10 +240,9 @@ class TasksetEpisodes(EpisodeSource):
             sample = await self._score_cut(episode, sample, limits)
         return msgspec.structs.replace(sample, env_metrics=episode.metrics) if episode.metrics else sample
 
-    async def _tools_for(self, task: Any) -> tuple[ToolServers | None, str | None]:
-        """The episode's tools (the taskset's and the task's own, set up for it), or None when it
-        has none; or why they could not be set up."""
-        own = ToolServers(type(task).toolsets(task.config))
+    async def _tools_for(self, task: Any, own: ToolServers) -> tuple[ToolServers | None, str | None]:
+        """The episode's tools (the taskset's and the task's own, `own` set up for it), or None when
+        it has none; or why they could not be set up."""
         timeout_s = self.settings.step_timeout_s
         try:
             await asyncio.wait_for(own.start(task), timeout_s)
