@@ -305,3 +305,56 @@ def test_a_get_reward_that_is_not_callable_is_refused_at_start():
 
     with pytest.raises(ConfigError, match=r"env.factory: Scored.get_reward is float, expected a method"):
         load_classes(Scored, "env.factory")
+
+
+@pytest.mark.timeout(120)
+async def test_after_a_resume_reward_functions_get_the_environments_of_every_sample(tmp_path, chat):
+    """Episodes that finished before the checkpoint cannot bring their instances back (an
+    environment's state is not saved): they are played again, so reward functions reading
+    `environments` never get None and no group is dropped for it."""
+    import trl_envs
+
+    from rollflow.checkpoint import latest_checkpoint, read_state
+
+    seen = []
+
+    def submitted(prompts, completions, environments, **kwargs):
+        seen.append(list(environments))
+        return [float(e.submitted is not None) for e in environments]
+
+    from rollflow.envs.factory import EnvironmentFactory
+
+    config = load_config(preset="tiny", overrides=[
+        "run.max_steps=4", "sampling.max_tokens=8", "env.kind=factory", "env.max_turns=2", "env.max_tokens=48",
+        'scoring.rewards=[{name = "submitted"}]', "run.max_lag=2"])
+
+    made = iter(range(10**6))
+
+    class Uneven(trl_envs.SubmitEnv):
+        """After the first two steps' episodes, one in four is slow to reset, so the groups in
+        flight at the stop hold finished episodes beside unfinished ones."""
+
+        async def reset(self, **row):
+            n = next(made)
+            if n >= 32 and n % 4 == 3:
+                await asyncio.sleep(2.0)
+            return super().reset(**row)
+
+    def make(**kwargs):
+        return Controller(config, tmp_path, env=EnvironmentFactory(Uneven),
+                          reward_funcs={"submitted": submitted},
+                          given=Given(engine=FakeEngine(token_delay=0.002), trainer=FakeTrainer(),
+                                      transport=NullTransport(), tokenizer=chat.tokenizer), **kwargs)
+
+    first = make(on_step=lambda row: row["step"] == 1 and first.request_stop())
+    assert (await asyncio.wait_for(first.run(), 100)).stopped
+    state = read_state(latest_checkpoint(tmp_path))
+    assert any(s.done is not None for g in state.in_flight for s in g.samples), "no finished episode was saved"
+    seen.clear()
+    resumed = await asyncio.wait_for(make(resume=True).run(), 100)
+    assert resumed.steps == 2
+    assert seen and all(isinstance(e, Uneven) for envs in seen for e in envs)
+    import json
+
+    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert not [e for e in ledger if e["outcome"] == "dropped" and "submitted" in json.dumps(e)]

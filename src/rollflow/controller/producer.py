@@ -245,10 +245,12 @@ class Producer:
 
     async def _episode(self, prompt: Prompt, group_id: str, index: int, progress: Progress) -> Sample:
         """A multi-turn episode. Its progress is saved only once it is done: a checkpoint taken
-        mid-episode restarts it from its prompt (an environment's state cannot be saved)."""
+        mid-episode restarts it from its prompt (an environment's state cannot be saved), and so
+        does one taken after it when the group's scoring needs the episode's live state."""
         assert self.episodes is not None and self.context is not None
-        if progress.saved.done is not None:  # finished before the checkpoint this run resumed from
-            return progress.saved.done
+        done = progress.saved.done  # finished before the checkpoint this run resumed from
+        if done is not None and not self.episodes.replay_on_resume:
+            return done
 
         async def turn(token_ids: list[int], spec: SamplingSpec, n: int) -> Sample:
             turn_prompt = Prompt(id=prompt.id, token_ids=token_ids)

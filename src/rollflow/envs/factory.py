@@ -145,6 +145,7 @@ class FactoryEpisodes(EpisodeSource):
     scoring has passed them to the reward functions (`environments=`)."""
 
     settings: FactoryEnvConfig
+    replay_on_resume = True  # reward functions read the group's instances
 
     def __init__(self, classes: dict[str | None, EnvironmentClass], settings: FactoryEnvConfig) -> None:
         self.classes = classes

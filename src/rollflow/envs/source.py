@@ -72,6 +72,11 @@ class EpisodeSource(Served):
 
     settings: EpisodeConfig
 
+    replay_on_resume: bool = False
+    """Its groups are scored with each episode's live state (TRL's `environments=`), which a
+    checkpoint cannot hold: an episode that finished before the checkpoint a run resumes from is
+    played again, not taken from the checkpoint."""
+
     async def start(self) -> None:
         """Start what the run's episodes need (before anything heavy loads, so a bad address
         fails in seconds)."""
