@@ -6,9 +6,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -203,3 +205,53 @@ def test_a_reward_that_hangs_does_not_keep_the_process_alive(tmp_path):
     assert done.returncode == 1, done.stderr[-2000:]
     assert "reward stuck: timed out after 1 s" in done.stderr, done.stderr[-2000:]
     assert elapsed < 150, f"{elapsed:.0f} s"
+
+
+def test_one_sigterm_ends_a_run_whose_agents_hang_within_15_s(tmp_path):
+    """One episode in eight has a sync agent that blocks for good (the others make one ordinary
+    call): the run goes on training past the hung calls, and one SIGTERM ends the process within
+    15 s, its hung threads never waited for, with status.json saying it stopped. (A step that can
+    never end is `tests/unit/test_signals.py`'s case.)"""
+    (tmp_path / "hung_agent.py").write_text(textwrap.dedent(f"""
+        import itertools, os, time
+        import openai
+
+        calls = itertools.count()
+
+        def agent(task, base_url):
+            if next(calls) % 8 == 7:
+                with open({str(tmp_path / "hung")!r}, "a") as marks:
+                    marks.write("x")
+                time.sleep(3600)
+            with openai.OpenAI(base_url=base_url, api_key=task.api_key, max_retries=0) as client:
+                client.chat.completions.create(model=task.model, messages=task.messages, max_tokens=4)
+            return 1.0
+    """))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollflow", "train", "--preset", "tiny", "--output-dir", str(tmp_path / "run"),
+         "--max-steps", "1000", "--set", "env.kind=agent", "--set", "env.function=hung_agent:agent",
+         "--set", "env.episode_timeout_s=2", "--set", "sampling.max_tokens=4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    hung = tmp_path / "hung"
+    try:
+        deadline = time.monotonic() + 240
+        while not (hung.exists() and len(hung.read_text()) >= 10):  # more hung calls than a default pool's threads
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "fewer than 10 hung calls in 240 s"
+            time.sleep(0.5)
+        time.sleep(3.0)
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert elapsed < 15, f"{elapsed:.1f} s after SIGTERM; {err[-2000:]}"
+    assert proc.returncode in (0, 130), err[-2000:]
+    assert re.search(r"step \d+/1000", err), err[-2000:]
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["state"] == "stopped", status
