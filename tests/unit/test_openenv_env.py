@@ -5,6 +5,7 @@ real vLLM against it is in tests/integration/test_environments.py."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -264,3 +265,33 @@ def test_openenv_and_openenv_core_installed_together_are_refused_naming_both(mon
         openenv._library()
     versions.pop("openenv-core")
     assert openenv._library().__name__ == "EnvClient"
+
+
+async def test_a_users_action_and_observation_functions_run_off_the_event_loop(chat, source):
+    """`env.action` and `env.observation` are the user's code: one that blocks holds its episode,
+    never the event loop every other episode needs."""
+    def slow_action(text: str):
+        time.sleep(0.6)
+        return source_action(text)
+
+    source_action = source.to_action
+    source.to_action = slow_action
+    gaps: list[float] = []
+
+    async def heartbeat():
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.02)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    beat = asyncio.create_task(heartbeat())
+    try:
+        sample = await run_episode(
+            await source(), PROMPT, SPEC, ScriptedTurns(chat, ["1"] * 4), chat, group_id="g", index=0, limits=LIMITS
+        )
+    finally:
+        beat.cancel()
+    assert sample.unscorable is None
+    assert max(gaps) < 0.4, f"the event loop was held for {max(gaps):.2f} s"

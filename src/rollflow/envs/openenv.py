@@ -37,9 +37,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from rollflow import guest
 from rollflow.config import Config, OpenEnvConfig
 from rollflow.envs import EnvironmentEpisodes, EnvStep, Served, Turn
 from rollflow.errors import ConfigError
+from rollflow.guest import name_of
 from rollflow.imports import load_function
 from rollflow.records import Message, Prompt
 
@@ -165,6 +167,8 @@ class OpenEnvSource(Served):
         self.server = server
         self.to_action = to_action or text_action(client_cls)
         self.to_text = to_text or observation_text
+        self._own: set[Any] = {f for f, given in ((self.to_action, to_action), (self.to_text, to_text)) if not given}
+        """The conversions rollflow made (run in place); the user's run on guest threads."""
         self.timeout_s = timeout_s
         self._sessions = sessions
         self._slots: asyncio.Semaphore | None = None
@@ -173,6 +177,13 @@ class OpenEnvSource(Served):
         instead of opening a new session."""
         self._process: asyncio.subprocess.Process | None = None
         self._log: Any = None
+
+    async def convert(self, func: Callable[[Any], Any], value: Any, field: str) -> Any:
+        """`func(value)`: a conversion of the user's (`field`: `env.action`, `env.observation`) on a
+        guest thread, one of rollflow's in place."""
+        if func in self._own:
+            return func(value)
+        return await guest.call(func, value, timeout_s=self.timeout_s, name=f"{field} {name_of(func)}")
 
     async def __call__(self) -> OpenEnvEpisode:
         """A new episode, once one of the `sessions` is free (waiting for one is not the
@@ -294,17 +305,18 @@ class OpenEnvEpisode:
         result = await self._client.reset(seed=episode_seed(prompt.id))
         self._clean = True
         system = [m for m in prompt.messages if m.role == "system"]
-        text = source.to_text(result.observation)
+        text = await source.convert(source.to_text, result.observation, "env.observation")
         if text:
             return [*system, Message(role="user", content=text)]
         return list(prompt.messages)
 
     async def step(self, turn: Turn) -> EnvStep:
-        action = self.source.to_action(turn.text)
+        source = self.source
+        action = await source.convert(source.to_action, turn.text, "env.action")
         self._clean = False
         result = await self._client.step(action)
         self._clean = True
-        text = self.source.to_text(result.observation)
+        text = await source.convert(source.to_text, result.observation, "env.observation")
         messages = [] if result.done or not text else [Message(role="user", content=text)]
         reward = float(result.reward) if isinstance(result.reward, bool) else result.reward  # OpenEnv allows bools
         return EnvStep(messages=messages, reward=reward, done=bool(result.done))
