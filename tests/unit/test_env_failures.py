@@ -444,3 +444,46 @@ def test_a_module_that_raises_while_imported_is_refused_in_one_line_with_exit_2(
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr
     assert field in lines[0] and "broken_at_import" in lines[0] and "ZeroDivisionError: division by zero" in lines[0]
+
+
+async def test_an_environment_class_whose_constructor_raises_makes_only_its_episode_unscorable(chat):
+    """`kind = "tool"` (or `env=`): a new environment per episode; a constructor that raises is
+    that episode's failure, made off the event loop; the next episode is played."""
+    import threading
+
+    from rollflow.config import ToolEnvConfig
+    from rollflow.envs import EnvironmentEpisodes
+    from rollflow.envs.source import EpisodeContext
+
+    built_on: list[str] = []
+
+    class Flaky(Feedback):
+        made = 0
+
+        def __init__(self):
+            super().__init__(turns=1, reward=1.0)
+            built_on.append(threading.current_thread().name)
+            Flaky.made += 1
+            if Flaky.made == 1:
+                raise ConnectionError("no sandbox")
+
+    source = EnvironmentEpisodes(Flaky, ToolEnvConfig())
+    context = EpisodeContext(chat=chat, sampling=SPEC, max_model_len=1024)
+    failed = await source.play(PROMPT, group_id="g", index=0, generate=ScriptedTurns(chat, ["12"]), context=context)
+    assert failed.unscorable == "environment: Flaky() raised ConnectionError: no sandbox"
+    played = await source.play(PROMPT, group_id="g", index=1, generate=ScriptedTurns(chat, ["12"]), context=context)
+    assert played.unscorable is None and played.process_rewards[-1][1] == 1.0
+    assert threading.main_thread().name not in built_on
+
+
+async def test_an_environment_class_that_cannot_be_built_is_refused_at_start_in_one_line():
+    from rollflow.config import ToolEnvConfig
+    from rollflow.envs import EnvironmentEpisodes
+    from rollflow.errors import ConfigError
+
+    class Broken(Feedback):
+        def __init__(self):
+            raise ValueError("needs an API key")
+
+    with pytest.raises(ConfigError, match=r"^env: Broken\(\) raised ValueError: needs an API key$"):
+        await EnvironmentEpisodes(Broken, ToolEnvConfig()).start()

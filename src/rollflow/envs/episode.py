@@ -26,15 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from rollflow import guest
 from rollflow.config import Config, ToolEnvConfig
 from rollflow.envs.chat import ChatFormat
 from rollflow.envs.protocol import EnvFactory, Environment, EnvStep, EpisodeLimits, GenerateTurn, Served, Turn
 from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.envs.tools import STEP_LIMIT
 from rollflow.errors import ConfigError
+from rollflow.guest import name_of, raised
 from rollflow.imports import load_function
 from rollflow.records import Message, Prompt, Sample, SamplingSpec, Segment
-from rollflow.scoring import Scored, finite, shown
+from rollflow.scoring import Scored, finite, is_async, shown
 
 if TYPE_CHECKING:
     from rollflow.config import EpisodeConfig
@@ -254,11 +256,14 @@ async def _close(env: Environment, timeout_s: float) -> None:
         log.warning("environment: aclose raised %s: %s", type(err).__name__, err)
 
 
-async def open_environment(factory: EnvFactory) -> Environment:
-    """A new episode's environment from `factory`, which may be a coroutine function: an OpenEnv
-    source waits there for a free session. That wait is not the environment's time (no step
-    timeout applies); it is bounded by the episodes holding the sessions, whose every call is."""
-    env = factory()
+async def open_environment(factory: EnvFactory, timeout_s: float) -> Environment:
+    """A new episode's environment from `factory`. A coroutine function (an OpenEnv source) may
+    wait there for a free session: that wait is not the environment's time (no step timeout
+    applies); it is bounded by the episodes holding the sessions, whose every call is. Any other
+    (a class, a function: the user's code) runs on a guest thread within `timeout_s`."""
+    if is_async(factory):
+        return await factory()  # type: ignore[misc]
+    env = await guest.call(factory, timeout_s=timeout_s, name=f"{name_of(factory)}()")
     if inspect.isawaitable(env):
         env = await env
     return env
@@ -302,8 +307,29 @@ class EnvironmentEpisodes(EpisodeSource):
         self.settings = settings
 
     async def start(self) -> None:
+        """Start a factory that holds something for the run; build one environment of any other
+        (the user's class or function) once, so one that cannot be built is refused in one line."""
         if isinstance(self.factory, Served):
             await self.factory.start()
+            return
+        if is_async(self.factory):
+            return
+        named = isinstance(self.settings, ToolEnvConfig) and self.settings.name
+        field, timeout_s = ("env.name" if named else "env"), self.settings.step_timeout_s
+        try:
+            env = await open_environment(self.factory, timeout_s)
+        except TimeoutError:
+            raise ConfigError(
+                f"{field}: {self._made} did not return within {timeout_s:g} s (env.step_timeout_s)"
+            ) from None
+        except Exception as err:
+            raise ConfigError(f"{field}: {self._made} {raised(err)}") from None
+        await _close(env, timeout_s)
+
+    @property
+    def _made(self) -> str:
+        """How messages name making one environment: `Class()`."""
+        return f"{getattr(self.factory, '__name__', type(self.factory).__name__)}()"
 
     async def aclose(self) -> None:
         if isinstance(self.factory, Served):
@@ -313,7 +339,15 @@ class EnvironmentEpisodes(EpisodeSource):
         self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
     ) -> Sample:
         limits = context.limits(self.settings)
-        env = await open_environment(self.factory)
+        made = self._made
+        try:
+            env = await open_environment(self.factory, limits.step_timeout_s)
+        except TimeoutError:
+            reason = f"environment: {made} timed out after {limits.step_timeout_s:g} s (env.step_timeout_s)"
+            return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=reason)
+        except Exception as err:  # the environment's constructor fails its episode, not the run
+            reason = f"environment: {made} {raised(err)}"
+            return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=reason)
         return await run_episode(
             env, prompt, context.sampling, generate, context.chat, group_id=group_id, index=index, limits=limits
         )
