@@ -88,13 +88,10 @@ BLOCKED = textwrap.dedent(
 )
 
 
-def test_a_first_signal_the_blocked_event_loop_never_takes_ends_the_process_and_says_so(tmp_path):
-    """One SIGTERM is enough: when the loop does not take the stop request within its bound, the
-    process exits (130) and status.json says why, instead of ignoring the signal and staying
-    'running'."""
-    import json
-
-    proc = subprocess.Popen([sys.executable, "-c", BLOCKED, str(tmp_path)], stdout=subprocess.PIPE,
+def _terminate_once(script: str, run_dir) -> tuple[int, str, str, float]:
+    """Run `script` (it prints "ready" once its handlers are in place), send one SIGTERM; its
+    exit status, output, errors and the seconds from the signal to its end."""
+    proc = subprocess.Popen([sys.executable, "-c", script, str(run_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
@@ -104,8 +101,18 @@ def test_a_first_signal_the_blocked_event_loop_never_takes_ends_the_process_and_
         out, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail("still running 30 s after SIGTERM")
-    assert proc.returncode == 130 and time.monotonic() - began < 15
+        pytest.fail("still running 30 s after one SIGTERM")
+    return proc.returncode, out, err, time.monotonic() - began
+
+
+def test_a_first_signal_the_blocked_event_loop_never_takes_ends_the_process_and_says_so(tmp_path):
+    """One SIGTERM is enough: when the loop does not take the stop request within its bound, the
+    process exits (130) and status.json says why, instead of ignoring the signal and staying
+    'running'."""
+    import json
+
+    code, out, err, seconds = _terminate_once(BLOCKED, tmp_path)
+    assert code == 130 and seconds < 15
     assert "stop asked" not in out
     assert "the event loop did not take the stop request within 2 s" in err
     status = json.loads((tmp_path / "status.json").read_text())
@@ -147,19 +154,9 @@ def test_one_sigterm_ends_a_run_whose_step_never_ends_within_its_bound(tmp_path)
     `grace_s` later, with status.json saying why."""
     import json
 
-    proc = subprocess.Popen([sys.executable, "-c", STUCK, str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "ready"
-    began = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        out, err = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("still running 30 s after one SIGTERM")
-    assert time.monotonic() - began < 15
-    assert proc.returncode == 130, (out, err)
+    code, out, err, seconds = _terminate_once(STUCK, tmp_path)
+    assert seconds < 15
+    assert code == 130, (out, err)
     assert "stop asked" in out
     assert "did not stop within 3 s of SIGTERM; stopping now" in err
     status = json.loads((tmp_path / "status.json").read_text())
