@@ -889,6 +889,8 @@ def _check_env_table(env: dict[str, Any], source: str) -> None:
     would otherwise change meaning silently): one line showing the new form."""
     kinds = env_kinds()
     kind = env.get("kind")
+    if kind is not None and not isinstance(kind, str):
+        raise ConfigError(f"{source}: env.kind: expected a string, one of {' | '.join(map(repr, kinds))}, got {kind!r}")
     fields = set(kinds[kind].__struct_fields__) if kind in kinds else set()
     for key, value in env.items():
         if key in FLAT_ENV_KEYS and key not in fields:

@@ -332,3 +332,15 @@ async def test_a_run_killed_before_its_first_checkpoint_gets_advice_that_works(t
     assert summarize(out).ok and summarize(out).run == "finished (3 steps)"
     (kept,) = (out / "attempts").iterdir()
     assert len((kept / "metrics.jsonl").read_text().splitlines()) == 2  # the killed attempt's two steps
+
+
+def test_an_env_kind_that_is_not_a_string_is_refused_naming_the_field(tmp_path):
+    """Found by the config fuzz test: `kind = []` raised TypeError (unhashable) instead of a
+    ConfigError naming the file and the field."""
+    from rollflow.config import load_config
+    from rollflow.errors import ConfigError
+
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\n[env]\nkind = []\n")
+    with pytest.raises(ConfigError, match=r"run.toml: env.kind: expected a string"):
+        load_config(path)
