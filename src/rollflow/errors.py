@@ -85,3 +85,8 @@ class TrainingError(RollflowError):
 class GuestStuckError(RollflowError):
     """Users' calls that never returned hold every thread the guest pool may have
     (`rollflow.guest`); the message names the callable and how many of its calls are stuck."""
+
+
+class UserCodeExit(RollflowError):
+    """User code called `sys.exit()` (or raised `KeyboardInterrupt`) inside a call rollflow made:
+    that call's failure, never the process's end. The message says what it did."""

@@ -28,12 +28,12 @@ import queue
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollflow.errors import GuestStuckError
+from rollflow.errors import GuestStuckError, UserCodeExit
 
 DEFAULT_SIZE = 8
 """Guest calls that run at once on a pool nobody sized (a library call outside a run)."""
@@ -83,7 +83,7 @@ class GuestThreads:
         `functools.partial`); `TimeoutError` when it runs longer than `timeout_s` once started (the
         call is abandoned, not waited for; None: the caller bounds it by cancelling, which abandons
         it too); `name` names it in messages. What it raises is raised
-        here (`SystemExit` too, as an ordinary failure)."""
+        here (`sys.exit()` as `UserCodeExit`, an ordinary failure)."""
         loop = asyncio.get_running_loop()
         call = _Call(func, args, name, loop, loop.create_future())
         with self._lock:
@@ -172,7 +172,9 @@ class GuestThreads:
             _tell(call.loop, call.started.set)
             try:
                 outcome: tuple[Any, BaseException | None] = (call.context.run(call.func, *call.args), None)
-            except BaseException as err:  # SystemExit and KeyboardInterrupt included: the call's failure
+            except (SystemExit, KeyboardInterrupt) as err:  # the call's failure, never the process's end
+                outcome = (None, UserCodeExit(raised(err)))
+            except BaseException as err:
                 outcome = (None, err)
             _tell(call.loop, _settle, call.future, outcome)
             with self._lock:
@@ -231,6 +233,20 @@ def name_of(func: Any) -> str:
     return f"{module}:{qualname}" if module else str(qualname)
 
 
+async def contained(awaitable: Awaitable[Any]) -> Any:
+    """`awaitable` (a user's coroutine), with a `sys.exit()` inside it raised as `UserCodeExit`:
+    the event loop re-raises a `SystemExit` that leaves a task, which would end the process."""
+    try:
+        return await awaitable
+    except (SystemExit, KeyboardInterrupt) as err:
+        raise UserCodeExit(raised(err)) from None
+
+
 def raised(err: BaseException) -> str:
-    """What a user's call raised, as reasons say it: `raised KeyError: 'answer'`."""
+    """What a user's call raised, as reasons say it: `raised KeyError: 'answer'`, or `called
+    sys.exit(3)`."""
+    if isinstance(err, UserCodeExit):
+        return str(err)
+    if isinstance(err, SystemExit):
+        return f"called sys.exit({err.code!r})"
     return f"raised {type(err).__name__}: {err}"

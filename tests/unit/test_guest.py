@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from rollflow.errors import GuestStuckError
+from rollflow.errors import GuestStuckError, UserCodeExit
 from rollflow.guest import GuestThreads, name_of
 
 
@@ -43,7 +43,7 @@ async def test_what_a_call_raises_is_raised_to_its_caller_sys_exit_included():
 
     with pytest.raises(KeyError, match="answer"):
         await pool.call(broken, timeout_s=5, name="broken")
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserCodeExit, match=r"^called sys.exit\(3\)$"):  # the call's failure, not the process's end
         await pool.call(sys.exit, 3, timeout_s=5, name="exits")
     assert await pool.call(lambda: 7, timeout_s=5, name="after") == 7  # the thread still serves
 

@@ -125,3 +125,62 @@ async def test_a_part_whose_close_hangs_or_raises_is_named_and_the_rest_still_cl
     await asyncio.wait_for(controller.run(), 60)
     assert closed == ["engine", "engine"]
     assert "closing the reward scorer: it raised OSError: socket already gone" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_an_agent_that_calls_sys_exit_costs_its_episode_not_the_run(tmp_path, kind):
+    """`sys.exit()` in user code is that episode's failure, named; the run trains on."""
+    import sys
+
+    episodes = itertools.count()
+
+    def answer(task, base_url):
+        with openai.OpenAI(base_url=base_url, api_key=task.api_key, max_retries=0) as client:
+            client.chat.completions.create(model=task.model, messages=task.messages, max_tokens=4)
+        return 1.0
+
+    def sync_agent(task, base_url):
+        if next(episodes) % 8 == 7:
+            sys.exit(3)
+        return answer(task, base_url)
+
+    async def async_agent(task, base_url):
+        if next(episodes) % 8 == 7:
+            sys.exit(3)
+        return await asyncio.to_thread(answer, task, base_url)
+
+    controller = _controller(
+        tmp_path, agent=sync_agent if kind == "sync" else async_agent,
+        overrides=["run.max_steps=3", "env.kind=agent", "env.episode_timeout_s=10"],
+    )
+    result = await asyncio.wait_for(controller.run(), 120)
+    assert result.steps == 3 and summarize(tmp_path).ok
+
+
+async def test_a_reward_function_or_environment_step_that_calls_sys_exit_is_that_samples_reason(chat):
+    import sys
+
+    from rollflow.envs import EnvStep, EpisodeLimits, run_episode
+    from rollflow.records import Message, Prompt, SamplingSpec
+    from rollflow.scoring import Reward, Scorer
+    from rollflow.testing import ScriptedTurns
+
+    def exits(prompts, completions, **kwargs):
+        sys.exit(4)
+
+    scorer = Scorer([Reward(name="exits", func=exits)])
+    prompt = Prompt(id="p", token_ids=[1], messages=[Message(role="user", content="hi")])
+    (scored,) = await scorer.score(prompt, ["x"], [[1]])
+    assert scored.reward is None and scored.reason == "reward exits: called sys.exit(4)"
+
+    class Exits:
+        async def reset(self, prompt):
+            return list(prompt.messages)
+
+        async def step(self, turn):
+            sys.exit(5)
+            return EnvStep(done=True)
+
+    sample = await run_episode(Exits(), prompt, SamplingSpec(temperature=1.0, max_tokens=8),
+                               ScriptedTurns(chat, ["a"]), chat, group_id="g", index=0, limits=EpisodeLimits())
+    assert sample.unscorable == "environment: step called sys.exit(5)"

@@ -35,7 +35,7 @@ from rollflow.data_files import Row
 from rollflow.envs import EpisodeLimits, GenerateTurn, Served
 from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.errors import ConfigError, GuestStuckError
-from rollflow.guest import name_of
+from rollflow.guest import name_of, raised
 from rollflow.imports import load_function
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.scoring import finite, is_async, shown
@@ -195,7 +195,7 @@ async def run_agent(
     reward: float | None = None
     try:
         if is_async(agent):
-            result = await asyncio.wait_for(agent(task, base_url), timeout_s)
+            result = await asyncio.wait_for(guest.contained(agent(task, base_url)), timeout_s)
         else:  # its time counts from when a guest thread starts it
             result = await guest.call(agent, task, base_url, timeout_s=timeout_s, name=f"agent {name_of(agent)}")
         reward, failure = _checked(result)
@@ -203,8 +203,8 @@ async def run_agent(
         failure = f"agent: timed out after {timeout_s:g} s (env.episode_timeout_s)"
     except GuestStuckError as err:
         failure = str(err)
-    except Exception as err:  # the agent's bug ends its episode, not the run
-        failure = f"agent: raised {type(err).__name__}: {err}"
+    except (Exception, SystemExit) as err:  # the agent's bug (or exit) ends its episode, not the run
+        failure = f"agent: {raised(err)}"
     finally:
         server.close(key)
     return episode.sample(group_id, index, reward=reward, failure=failure)

@@ -216,8 +216,8 @@ async def _bounded(call: Awaitable[Any], timeout_s: float, what: str) -> Any:
                 STEP_LIMIT.reset(token)
     except TimeoutError:
         raise _EnvFailed(f"environment: {what} timed out after {timeout_s:g} s") from None
-    except Exception as err:  # the environment's bug ends its episode, not the run
-        raise _EnvFailed(f"environment: {what} raised {type(err).__name__}: {err}") from err
+    except (Exception, SystemExit) as err:  # the environment's bug (or exit) ends its episode, not the run
+        raise _EnvFailed(f"environment: {what} {raised(err)}") from err
 
 
 def _opening(messages: Any) -> list[Message]:

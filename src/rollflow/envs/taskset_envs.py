@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from rollflow import guest
 from rollflow.agent import AgentEpisode, AgentServer, endpoint_limits
 from rollflow.config import VerifiersEnvConfig
 from rollflow.data_files import Row
@@ -173,7 +174,7 @@ class EnvEpisodes(EpisodeSource):
         try:
             bind = functools.partial(self._bind, key)
             outcome = await asyncio.wait_for(
-                self.env.run_episode(played, self._ctx, on_trace=bind), settings.episode_timeout_s
+                guest.contained(self.env.run_episode(played, self._ctx, on_trace=bind)), settings.episode_timeout_s
             )
             trace = self._trainable(outcome)
             session = trace.id

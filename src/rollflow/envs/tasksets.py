@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from rollflow import guest
 from rollflow.config import VerifiersEnvConfig
 from rollflow.data_files import Row
 from rollflow.envs.episode import failed_episode, run_episode
@@ -245,7 +246,7 @@ class TasksetEpisodes(EpisodeSource):
         it has none; or why they could not be set up."""
         timeout_s = self.settings.step_timeout_s
         try:
-            await asyncio.wait_for(own.start(task), timeout_s)
+            await asyncio.wait_for(guest.contained(own.start(task)), timeout_s)
         except TimeoutError:
             return None, f"environment: setting up the task's toolsets timed out after {timeout_s:g} s"
         except Exception as err:  # the toolset's bug ends its episode, not the run
@@ -261,7 +262,7 @@ class TasksetEpisodes(EpisodeSource):
         tools: the task scores it as it stands, truncated, as verifiers does."""
         stop = "max_turns" if sample.turns >= limits.max_turns else "max_total_tokens"
         try:
-            reward = await asyncio.wait_for(episode.score(stop), self.settings.step_timeout_s)
+            reward = await asyncio.wait_for(guest.contained(episode.score(stop)), self.settings.step_timeout_s)
         except TimeoutError:
             why = f"environment: scoring timed out after {self.settings.step_timeout_s:g} s"
             return msgspec.structs.replace(sample, unscorable=why)

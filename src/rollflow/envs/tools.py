@@ -89,14 +89,14 @@ async def call_tool(tools: dict[str, Tool], call: ToolCall, timeout_s: float) ->
 async def _run(tool: Tool, call: ToolCall, timeout_s: float) -> str:
     try:
         if inspect.iscoroutinefunction(tool):
-            result = await asyncio.wait_for(tool(**call.arguments), timeout_s)
+            result = await asyncio.wait_for(guest.contained(tool(**call.arguments)), timeout_s)
         else:
             bound = functools.partial(tool, **call.arguments)
             result = await guest.call(bound, timeout_s=timeout_s, name=f"tool {call.name}")
     except TimeoutError:
         return f"error: tool {call.name} timed out after {timeout_s:g} s"
     except Exception as err:  # a tool's failure is the model's observation, never the run's
-        return f"error: tool {call.name} raised {type(err).__name__}: {err}"
+        return f"error: tool {call.name} {guest.raised(err)}"
     return str(result)
 
 

@@ -290,14 +290,15 @@ class Scorer:
             if reward.inline and not reward.is_async:
                 values = reward.func(prompts, completions, **columns)
             elif reward.is_async:
-                values = await asyncio.wait_for(reward.func(prompts, completions, **columns), reward.timeout_s)
+                call = guest.contained(reward.func(prompts, completions, **columns))
+                values = await asyncio.wait_for(call, reward.timeout_s)
             else:  # a guest thread: one that hangs is abandoned at its timeout, never waited for
                 bound = functools.partial(reward.func, prompts, completions, **columns)
                 values = await guest.call(bound, timeout_s=reward.timeout_s, name=f"reward {reward.name}")
         except TimeoutError:
             return [], f"timed out after {reward.timeout_s:g} s"
-        except Exception as err:  # a broken reward makes its samples unscorable, not 0
-            return [], f"raised {type(err).__name__}: {err}"
+        except (Exception, SystemExit) as err:  # a broken reward makes its samples unscorable, not 0
+            return [], guest.raised(err)
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
             return [], f"returned {got} for {len(completions)} completions"
