@@ -1,9 +1,10 @@
 """`train`: asynchronous GRPO training, and what stops it cleanly.
 
 During training the first SIGINT or SIGTERM stops after the current step with a checkpoint
-(exit 0); a second SIGINT interrupts at once (exit 130; within `STOP_GRACE_S` even while the
-event loop is blocked). Several trainer ranks under torchrun: rank 0 runs the controller, the
-others follow it (`rollflow.ranks`).
+(exit 0), or cancels the run if that step has not ended `STOP_WAIT_S` later; a second SIGINT
+interrupts at once (exit 130; within `STOP_GRACE_S` even while the event loop is blocked).
+Several trainer ranks under torchrun: rank 0 runs the controller, the others follow it
+(`rollflow.ranks`).
 """
 
 from __future__ import annotations
@@ -160,7 +161,11 @@ def stop_on_signals(
         count += 1
         name = signal.Signals(signum).name
         if count == 1:
-            print(f"\n{name}: stopping after the current step with a checkpoint (again to stop now)", file=sys.stderr)
+            print(
+                f"\n{name}: stopping after the current step with a checkpoint (again to stop now; a step not "
+                f"done within {stop_s:g} s is cancelled, and --resume continues from the last checkpoint)",
+                file=sys.stderr,
+            )
             taken = threading.Event()
 
             def take() -> None:
