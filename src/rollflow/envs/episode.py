@@ -261,12 +261,27 @@ async def open_environment(factory: EnvFactory, timeout_s: float) -> Environment
     wait there for a free session: that wait is not the environment's time (no step timeout
     applies); it is bounded by the episodes holding the sessions, whose every call is. Any other
     (a class, a function: the user's code) runs on a guest thread within `timeout_s`."""
-    if is_async(factory):
+    if not isinstance(factory, type) and is_async(factory):
         return await factory()  # type: ignore[misc]
     env = await guest.call(factory, timeout_s=timeout_s, name=f"{name_of(factory)}()")
     if inspect.isawaitable(env):
         env = await env
     return env
+
+
+class BuildFailed(Exception):
+    """The user's class or function could not make an environment; the message says why."""
+
+
+async def construct(factory: EnvFactory, made: str, timeout_s: float) -> Environment:
+    """`open_environment`, its failure a `BuildFailed` naming `made` (how messages name the call:
+    `Flaky()`): the caller decides whether that fails an episode or refuses the run."""
+    try:
+        return await open_environment(factory, timeout_s)
+    except TimeoutError:
+        raise BuildFailed(f"{made} timed out after {timeout_s:g} s (env.step_timeout_s)") from None
+    except Exception as err:  # the user's constructor
+        raise BuildFailed(f"{made} {raised(err)}") from None
 
 
 def episode_score(sample: Sample) -> Scored:
@@ -315,15 +330,11 @@ class EnvironmentEpisodes(EpisodeSource):
         if is_async(self.factory):
             return
         named = isinstance(self.settings, ToolEnvConfig) and self.settings.name
-        field, timeout_s = ("env.name" if named else "env"), self.settings.step_timeout_s
+        timeout_s = self.settings.step_timeout_s
         try:
-            env = await open_environment(self.factory, timeout_s)
-        except TimeoutError:
-            raise ConfigError(
-                f"{field}: {self._made} did not return within {timeout_s:g} s (env.step_timeout_s)"
-            ) from None
-        except Exception as err:
-            raise ConfigError(f"{field}: {self._made} {raised(err)}") from None
+            env = await construct(self.factory, self._made, timeout_s)
+        except BuildFailed as err:
+            raise ConfigError(f"{'env.name' if named else 'env'}: {err}") from None
         await _close(env, timeout_s)
 
     @property
@@ -339,14 +350,10 @@ class EnvironmentEpisodes(EpisodeSource):
         self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
     ) -> Sample:
         limits = context.limits(self.settings)
-        made = self._made
         try:
-            env = await open_environment(self.factory, limits.step_timeout_s)
-        except TimeoutError:
-            reason = f"environment: {made} timed out after {limits.step_timeout_s:g} s (env.step_timeout_s)"
-            return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=reason)
-        except Exception as err:  # the environment's constructor fails its episode, not the run
-            reason = f"environment: {made} {raised(err)}"
+            env = await construct(self.factory, self._made, limits.step_timeout_s)
+        except BuildFailed as err:  # the environment's constructor fails its episode, not the run
+            reason = f"environment: {err}"
             return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=reason)
         return await run_episode(
             env, prompt, context.sampling, generate, context.chat, group_id=group_id, index=index, limits=limits

@@ -32,12 +32,11 @@ from typing import Any
 
 from rollflow import guest
 from rollflow.config import Config, FactoryEnvConfig
-from rollflow.envs.episode import failed_episode, run_episode
+from rollflow.envs.episode import BuildFailed, construct, failed_episode, run_episode
 from rollflow.envs.protocol import EnvStep, EpisodeLimits, GenerateTurn, Turn
 from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.envs.tools import call_tool, parse_tool_calls
 from rollflow.errors import ConfigError
-from rollflow.guest import raised
 from rollflow.imports import load_function
 from rollflow.records import Message, Prompt, Sample
 from rollflow.scoring import finite, shown
@@ -88,11 +87,6 @@ async def call(func: Callable[..., Any], timeout_s: float, name: str, **kwargs: 
     if inspect.iscoroutinefunction(func):
         return await func(**kwargs)
     return await guest.call(functools.partial(func, **kwargs), timeout_s=timeout_s, name=name)
-
-
-async def build(spec: EnvironmentClass, timeout_s: float) -> Any:
-    """A new instance of the class, made on a guest thread (a constructor may block or raise)."""
-    return await guest.call(spec.cls, timeout_s=timeout_s, name=f"{spec.name}()")
 
 
 class ClassEpisode:
@@ -156,16 +150,11 @@ class FactoryEpisodes(EpisodeSource):
     async def start(self) -> None:
         """Build each class once: a class that cannot be built is refused before the run loads
         anything, in one line."""
-        timeout_s = self.settings.step_timeout_s
         for spec in self.classes.values():
             try:
-                await build(spec, timeout_s)
-            except TimeoutError:
-                raise ConfigError(
-                    f"env.factory: {spec.name}() did not return within {timeout_s:g} s (env.step_timeout_s)"
-                ) from None
-            except Exception as err:
-                raise ConfigError(f"env.factory: {spec.name}() {raised(err)}") from None
+                await construct(spec.cls, f"{spec.name}()", self.settings.step_timeout_s)
+            except BuildFailed as err:
+                raise ConfigError(f"env.factory: {err}") from None
 
     def _class_for(self, prompt: Prompt) -> EnvironmentClass:
         if None in self.classes:
@@ -186,12 +175,9 @@ class FactoryEpisodes(EpisodeSource):
             reason = f"environment: {err}"
             return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=reason)
         try:
-            instance = await build(spec, limits.step_timeout_s)
-        except TimeoutError:
-            reason = f"environment: {spec.name}() timed out after {limits.step_timeout_s:g} s (env.step_timeout_s)"
-            return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=reason)
-        except Exception as err:  # the class's failure is its episode's
-            reason = f"environment: {spec.name}() {raised(err)}"
+            instance = await construct(spec.cls, f"{spec.name}()", limits.step_timeout_s)
+        except BuildFailed as err:  # the class's failure is its episode's
+            reason = f"environment: {err}"
             return failed_episode(prompt, context.sampling, group_id=group_id, index=index, reason=reason)
         episode = ClassEpisode(spec, instance, limits, self.settings.tool_timeout_s)
         self._instances.setdefault(group_id, {})[index] = episode.instance
