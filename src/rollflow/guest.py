@@ -82,8 +82,8 @@ class GuestThreads:
         """`func(*args)` on a guest thread, in this task's context (keyword arguments through
         `functools.partial`); `TimeoutError` when it runs longer than `timeout_s` once started (the
         call is abandoned, not waited for; None: the caller bounds it by cancelling, which abandons
-        it too); `name` names it in messages. What it raises is raised
-        here (`sys.exit()` as `UserCodeExit`, an ordinary failure)."""
+        it too); `name` names it in messages. What it raises is raised here (`sys.exit()` as
+        `UserCodeExit`, an ordinary failure)."""
         loop = asyncio.get_running_loop()
         call = _Call(func, args, name, loop, loop.create_future())
         with self._lock:
