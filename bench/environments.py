@@ -34,17 +34,17 @@ from pathlib import Path
 from sidebyside import alternate, engine_args, report
 
 from rollflow.agent import AgentEpisode, AgentServer, run_agent
-from rollflow.agent.verifiers import VerifiersEnv
 from rollflow.config import Config, EngineConfig, FactoryEnvConfig, VerifiersEnvConfig
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.envs import ChatFormat, EpisodeLimits, run_episode
 from rollflow.envs.factory import episodes
 from rollflow.envs.openenv import OpenEnvSource
 from rollflow.envs.source import EpisodeContext, EpisodeSource
-from rollflow.envs.tasksets import taskset_episodes
 from rollflow.models import load_tokenizer, resolve_model
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout
+from rollflow.verifiers.environments import VerifiersEnv
+from rollflow.verifiers.tasksets import taskset_episodes
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "environments"
 

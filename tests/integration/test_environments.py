@@ -107,7 +107,7 @@ async def test_a_verifiers_environment_trains_through_the_endpoint(lender, tmp_p
     # the dataset's last 4 rows are held out: evaluated as episodes before and after, never trained
     assert result.eval_before.prompts == 4 and result.eval_before.unscorable == 0
     assert result.eval_before.versions == [0] and result.eval_after.versions == [3]
-    from rollflow.agent.verifiers import VerifiersEnv
+    from rollflow.verifiers.environments import VerifiersEnv
 
     held_out = {row.id for row in VerifiersEnv(env_id).rows()[-4:]}
     assert not {g.prompt.id.split("@")[0] for g in groups} & held_out

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from rollflow.agent import AgentEpisode, run_agent, task_of
-from rollflow.agent.verifiers import VerifiersEnv
 from rollflow.envs import EpisodeLimits
 from rollflow.errors import ConfigError
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.testing import ScriptedTurns
+from rollflow.verifiers.environments import VerifiersEnv
 
 pytestmark = pytest.mark.usefixtures("example_environments")
 

@@ -1,4 +1,4 @@
-"""verifiers v1 tasksets played by their own `Env` (`rollflow.envs.taskset_envs`), with scripted
+"""verifiers v1 tasksets played by their own `Env` (`rollflow.verifiers.taskset_envs`), with scripted
 model turns: the real verifiers package runs the `Env`, its agents, their interception and the
 task's scoring; every model call reaches the run's real aiohttp endpoint through rollflow's
 in-process harness; only the model's turns are scripted, so every recorded token can be checked.
@@ -17,11 +17,11 @@ from rollflow.config import Config, VerifiersEnvConfig, load_config
 from rollflow.controller import Controller
 from rollflow.controller.setup import Given
 from rollflow.envs.source import EpisodeContext, episode_source
-from rollflow.envs.taskset_envs import EnvEpisodes
-from rollflow.envs.tasksets import taskset_episodes
 from rollflow.errors import ConfigError
 from rollflow.records import Prompt, SamplingSpec
 from rollflow.testing import FakeEngine, FakeTrainer, NullTransport, ScriptedTurns
+from rollflow.verifiers.taskset_envs import EnvEpisodes
+from rollflow.verifiers.tasksets import taskset_episodes
 
 pytestmark = pytest.mark.usefixtures("example_environments")
 
@@ -71,7 +71,7 @@ async def test_a_game_its_env_answers_is_trained_on_the_players_turns_exactly(ch
 
 
 async def test_the_envs_interception_relays_to_the_endpoint_in_process(chat):
-    from rollflow.envs.harness import EndpointRelay
+    from rollflow.verifiers.harness import EndpointRelay
 
     episodes = source(taskset="guess-taskset", taskset_args={"n": 4})
     await episodes.start()

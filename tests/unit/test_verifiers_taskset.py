@@ -16,10 +16,10 @@ from rollflow.config import Config, VerifiersEnvConfig, load_config
 from rollflow.controller import Controller
 from rollflow.controller.setup import Given
 from rollflow.envs.source import EpisodeContext, episode_source
-from rollflow.envs.tasksets import TasksetEpisodes
 from rollflow.errors import ConfigError
 from rollflow.records import Prompt, SamplingSpec
 from rollflow.testing import FakeEngine, FakeTrainer, NullTransport, ScriptedTurns
+from rollflow.verifiers.tasksets import TasksetEpisodes
 
 pytestmark = pytest.mark.usefixtures("example_environments")
 
@@ -526,7 +526,7 @@ def test_a_classic_environment_runs_on_the_legacy_api_and_is_refused_where_there
     environment is refused in one line naming the installed version (CI runs this file with both)."""
     from importlib import metadata
 
-    from rollflow.agent.verifiers import VerifiersEnv, _version_tuple
+    from rollflow.verifiers.environments import VerifiersEnv, _version_tuple
 
     version = metadata.version("verifiers")
     if _version_tuple(version) >= (0, 4):
@@ -701,7 +701,7 @@ def test_serving_tools_in_process_leaves_the_applications_logging_as_it_was():
     every HTTP request would then be logged. It serves nothing here, so the logging stays as it was."""
     import logging
 
-    from rollflow.envs import task_tools
+    from rollflow.verifiers import toolsets as task_tools
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level
@@ -726,7 +726,7 @@ def _tasks(*keys):
 def test_prompt_ids_are_unique_whenever_task_keys_are():
     """Readable keys that share their first 16 characters (`openai/gsm8k:train:N`) stay apart:
     in-flight tracking, checkpoints, the ledger and eval groups key on the prompt id."""
-    from rollflow.envs.taskset_loader import task_rows
+    from rollflow.verifiers.loader import task_rows
 
     keys = [f"openai/gsm8k:train:{n}" for n in range(12)]
     rows, by_key = task_rows("gsm8k", _tasks(*keys))
@@ -735,7 +735,7 @@ def test_prompt_ids_are_unique_whenever_task_keys_are():
 
 def test_tasks_with_the_same_key_are_kept_once_with_one_warning(caplog):
     """verifiers' own evaluation tolerates duplicate content; the taskset loads, each key once."""
-    from rollflow.envs.taskset_loader import task_rows
+    from rollflow.verifiers.loader import task_rows
 
     rows, by_key = task_rows("dup", _tasks("a", "b", "a", "c", "b", "a"))
     assert len(rows) == 3 and sorted(by_key) == ["a", "b", "c"]

@@ -14,7 +14,7 @@ The agent's return value is the episode's reward (the part `env`); None leaves s
 raises, returns something other than a finite number or None, or runs past `env.episode_timeout_s`
 makes its episode unscorable with the reason; the run goes on. `AgentEpisodes` is the source of
 such episodes (`rollflow.envs.source`); a verifiers environment (`kind = "verifiers"`) is such an
-agent too (`rollflow.agent.verifiers`), with its own prompts. This module does not generate (the
+agent too (`rollflow.verifiers.environments`), with its own prompts. This module does not generate (the
 producer's `generate` does) or score.
 """
 

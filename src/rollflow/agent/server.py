@@ -229,7 +229,7 @@ class AgentServer:
     async def chat_turn(self, episode: AgentEpisode, body: dict[str, Any], session: str | None) -> Reply:
         """One chat completions call's turn, checked as the endpoint checks it (`BadRequest`, or
         `Refused` past `call_timeout_s`): what its route serves over HTTP, and what a caller in the
-        run's process (a verifiers Env's relay, `rollflow.envs.taskset_envs`) asks for directly."""
+        run's process (a verifiers Env's relay, `rollflow.verifiers.taskset_envs`) asks for directly."""
         return await self._complete(episode, body.get("messages"), self._check(body), session)
 
     def chat_completion(self, episode: AgentEpisode, reply: Reply, body: dict[str, Any]) -> dict[str, Any]:

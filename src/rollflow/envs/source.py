@@ -10,7 +10,7 @@ the first episode and closes it at the end (it is `Served`), takes the prompts i
 
 The adapters, each in one module beside the seam it feeds: `rollflow.envs.EnvironmentEpisodes`
 (step-wise environments: `tool` and `openenv`), `rollflow.envs.factory.FactoryEpisodes` (TRL's
-environment classes), `rollflow.envs.tasksets.TasksetEpisodes` (verifiers v1 tasksets: `verifiers`
+environment classes), `rollflow.verifiers.tasksets.TasksetEpisodes` (verifiers v1 tasksets: `verifiers`
 with `taskset`) and `rollflow.agent.AgentEpisodes` (programs that drive the model through the run's
 endpoint: `agent`, and `verifiers` with `environment`). A new source of episodes is
 one module with a function `episodes(settings, config) -> EpisodeSource` plus one tagged struct in
@@ -39,7 +39,7 @@ SOURCES: dict[str, str] = {
     "factory": "rollflow.envs.factory:episodes",
     "openenv": "rollflow.envs.openenv:episodes",
     "agent": "rollflow.agent:agent_episodes",
-    "verifiers": "rollflow.agent.verifiers:episodes",
+    "verifiers": "rollflow.verifiers.environments:episodes",
 }
 """`[env].kind` -> the function (`module:function`, imported when used) that makes its source
 from its settings and the run's config."""

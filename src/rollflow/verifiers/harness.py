@@ -10,16 +10,16 @@ while the reply calls tools it calls them on the rollout's tool servers (`mcp_ur
 verifiers serves), appends their results as tool messages and asks again; a reply without a tool
 call ends the segment. The interception records each call on the rollout's trace and relays it to
 the client the run gave the episode: rollflow's endpoint, which generates and records every token
-(`rollflow.envs.taskset_envs`).
+(`rollflow.verifiers.taskset_envs`).
 
 `EndpointRelay` is the other end: the interception's model client (a verifiers `Client`),
 answering each relayed call in-process from the run's endpoint (`AgentServer.chat_turn`, the
 checks and recording of its chat completions route, for the episode the rollout's session is
 bound to), with no HTTP hop between the two.
 
-The toolsets the run serves itself (`TOOLS`: those `task_tools.point_here` pointed at rollflow)
+The toolsets the run serves itself (`TOOLS`: those `toolsets.point_here` pointed at rollflow)
 are called in-process; the others are listed and called over MCP at their URLs, as verifiers'
-harnesses do (`rollflow.envs.task_tools`: `<server>_<tool>` names, a session per call). A call
+harnesses do (`rollflow.verifiers.toolsets`: `<server>_<tool>` names, a session per call). A call
 whose arguments are not a JSON object, or a tool that fails, answers the model with the error.
 
 It is installed as the verifiers harness plugin `rollflow-harness` (the `rollflow_harness` module),
@@ -43,8 +43,8 @@ from verifiers.v1.runtimes import ProgramResult
 
 from rollflow.agent.episode import BadRequest
 from rollflow.agent.server import AgentServer, Refused
-from rollflow.envs.task_tools import HERE, RolloutTools, ToolServers
 from rollflow.envs.tools import ToolCall
+from rollflow.verifiers.toolsets import HERE, RolloutTools, ToolServers
 
 ID = "rollflow-harness"
 """The harness's id in a verifiers `HarnessConfig`."""
@@ -56,7 +56,7 @@ timeout) end a turn long before it."""
 
 TOOLS: contextvars.ContextVar[RolloutTools | None] = contextvars.ContextVar("rollflow_harness_tools", default=None)
 """The toolsets the run serves in-process to the episode's rollouts (set by the run for each episode
-whose task has toolsets it points at itself, `task_tools.point_here`)."""
+whose task has toolsets it points at itself, `toolsets.point_here`)."""
 
 HTTP: contextvars.ContextVar[aiohttp.ClientSession | None] = contextvars.ContextVar(
     "rollflow_harness_http", default=None

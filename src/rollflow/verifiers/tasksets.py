@@ -9,7 +9,7 @@ rollflow plays each task as verifiers' null harness does (the model, and the tas
 has any, with no program in between), generating every turn itself like any sample (streamed,
 per-token versions). A task without tools is one reply. A task with tool servers (`toolsets`, the
 taskset's and the task's own) is a tool loop: the tools are served in-process
-(`rollflow.envs.task_tools`; one at a URL is called there) and shown to the chat template; each
+(`rollflow.verifiers.toolsets`; one at a URL is called there) and shown to the chat template; each
 turn's Hermes `<tool_call>`s are run and their results come back as tool messages (in the
 sequence, out of the loss), until a turn calls no tool, `env.max_turns` turns or the episode's
 tokens run out. Then rollflow builds the episode's `vf.Trace` (every turn, its tool calls and
@@ -21,7 +21,7 @@ skipped by verifiers; when no reward is left, or a reward raises, returns someth
 finite number or runs past `env.step_timeout_s`, the episode is unscorable with the reason.
 
 Supported from verifiers `taskset_loader.SUPPORTED` (tested with 0.3.1 and 0.4.0); what cannot be
-trained is refused at start, naming it (`rollflow.envs.taskset_loader`).
+trained is refused at start, naming it (`rollflow.verifiers.loader`).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from rollflow.data_files import Row
 from rollflow.envs.episode import failed_episode, run_episode
 from rollflow.envs.protocol import EnvStep, GenerateTurn, Turn
 from rollflow.envs.source import EpisodeContext, EpisodeSource
-from rollflow.envs.task_tools import EpisodeState, ToolServers
-from rollflow.envs.taskset_loader import KEY, Taskset, load_taskset, task_rows
 from rollflow.envs.tools import split_calls
 from rollflow.errors import ConfigError
 from rollflow.records import Message, Prompt, Sample, SamplingSpec
 from rollflow.scoring import finite, shown
+from rollflow.verifiers.loader import KEY, Taskset, load_taskset, task_rows
+from rollflow.verifiers.toolsets import EpisodeState, ToolServers
 
 
 class Unscorable(Exception):
@@ -274,12 +274,12 @@ class TasksetEpisodes(EpisodeSource):
 
 def taskset_episodes(settings: VerifiersEnvConfig, model: str, sampling: SamplingSpec) -> EpisodeSource:
     """`kind = "verifiers"` with `taskset`: the taskset loaded now (what cannot be trained is
-    refused at start), played here, or by its own `Env` (`rollflow.envs.taskset_envs`)."""
+    refused at start), played here, or by its own `Env` (`rollflow.verifiers.taskset_envs`)."""
     loaded = load_taskset(settings.taskset, settings.taskset_args, settings.max_tasks, settings.env_id)
     if loaded.env is None:
         _refuse_env_bounds(settings)
         return TasksetEpisodes(settings, model, loaded)
-    from rollflow.envs.taskset_envs import EnvEpisodes
+    from rollflow.verifiers.taskset_envs import EnvEpisodes
 
     return EnvEpisodes(settings, model, sampling, loaded)
 

@@ -24,7 +24,7 @@ the toolset's type, and what the call changed is written back as the task's type
 Refused at start (`check_toolsets`): a stateful toolset at a URL (its state would cross a channel
 rollflow does not serve) and one in a container runtime. Works with mcp 1.x (verifiers 0.3) and 2.x
 (verifiers 0.4).
-This module does not play episodes (`rollflow.envs.tasksets`).
+This module does not play episodes (`rollflow.verifiers.tasksets`).
 """
 
 from __future__ import annotations

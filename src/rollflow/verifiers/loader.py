@@ -1,15 +1,15 @@
 """Loading a verifiers v1 taskset with verifiers' own loader, and refusing at start what rollflow
-cannot train, naming it (`rollflow.envs.tasksets` plays its episodes).
+cannot train, naming it (`rollflow.verifiers.tasksets` plays its episodes).
 
 `load_taskset` resolves the id as verifiers does (the installed module that exports its `Taskset`
 subclass in `__all__`; `taskset_args` are fields of its `TasksetConfig`), checks the taskset and
 its tasks' hooks, and returns its tasks, its own toolsets, and the `Env` its package runs, if it
-has one (`rollflow.envs.taskset_envs` plays those). Refused, each with a ConfigError: an unknown
+has one (`rollflow.verifiers.taskset_envs` plays those). Refused, each with a ConfigError: an unknown
 id (with close module names), arguments its config rejects, a module that cannot load or calls
 `sys.exit`, a taskset that ships its own harness (a program), a taskset with its own `Env` whose
 toolsets verifiers cannot serve (a module that does not serve its toolset when run), tasks that
 need a container, `@vf.intercept` hooks and stops that read the model
-request, toolsets rollflow cannot serve (`task_tools.check_toolsets`), an infinite taskset
+request, toolsets rollflow cannot serve (`toolsets.check_toolsets`), an infinite taskset
 without `max_tasks`. `task_rows` makes the tasks the run's prompts. The library is imported
 lazily; without it, one error names the extra.
 """
@@ -24,9 +24,9 @@ import sys
 from typing import Any, NamedTuple
 
 from rollflow.data_files import Row
-from rollflow.envs.task_tools import check_toolsets, point_here
 from rollflow.errors import ConfigError, DataError
 from rollflow.records import Message
+from rollflow.verifiers.toolsets import check_toolsets, point_here
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Taskset(NamedTuple):
 
 def _v1() -> Any:
     """`verifiers.v1`, or ConfigError saying what to install."""
-    from rollflow.agent.verifiers import check_version
+    from rollflow.verifiers.environments import check_version
 
     check_version("env.taskset", SUPPORTED, "v1 tasksets", "a newer verifiers is not tested with rollflow yet")
     import verifiers.v1 as vf
@@ -68,7 +68,7 @@ def load_taskset(taskset_id: str, args: dict[str, Any], max_tasks: int, env_id: 
     from pydantic import ValidationError
     from verifiers.v1.utils import loaders
 
-    from rollflow.agent.verifiers import _close_modules
+    from rollflow.verifiers.environments import _close_modules
 
     module = taskset_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
     builtin = f"verifiers.v1.tasksets.{module}"

@@ -12,7 +12,7 @@ environment raises, a model call is refused) makes its episode unscorable with t
 Supported: verifiers `SUPPORTED` (the API with `vf.Client` and `Environment.run_rollout`: 0.1.x,
 and 0.3.x, which keeps it as `verifiers.legacy` at the same names; the suite runs 0.3.1, and 0.1.14
 passed the same tests).
-verifiers 0.4 has only the v1 API, whose tasksets `rollflow.envs.tasksets` trains; another version
+verifiers 0.4 has only the v1 API, whose tasksets `rollflow.verifiers.tasksets` trains; another version
 is refused with one error. Rubrics with group-level reward functions are refused too: each episode here is
 scored on its own. The library is imported lazily; without it, one error names the extra.
 """
@@ -264,7 +264,7 @@ class VerifiersEnv(Served):
 def episodes(settings: VerifiersEnvConfig, config: Config) -> EpisodeSource:
     """`kind = "verifiers"`: the environment loaded now (a bad id or load fails at start), its
     dataset as the run's prompts, each episode its own rollout through the run's endpoint; or,
-    with `taskset`, a v1 taskset (`rollflow.envs.tasksets`)."""
+    with `taskset`, a v1 taskset (`rollflow.verifiers.tasksets`)."""
     from rollflow.evaluate import sampling_spec
 
     if bool(settings.environment) == bool(settings.taskset):
@@ -282,7 +282,7 @@ def episodes(settings: VerifiersEnvConfig, config: Config) -> EpisodeSource:
         raise ConfigError("env.args: arguments of a classic environment's load_environment; a taskset's "
                           "config fields are env.taskset_args")  # fmt: skip
     if settings.taskset:
-        from rollflow.envs.tasksets import taskset_episodes
+        from rollflow.verifiers.tasksets import taskset_episodes
 
         return taskset_episodes(settings, config.model.path, sampling_spec(config))
 

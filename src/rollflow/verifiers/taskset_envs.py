@@ -5,7 +5,7 @@ modeled user, several agents in one episode), trained as they are: `[env] kind =
 The taskset's `Env` is built and served by verifiers' own machinery (`Env.serving`,
 `Env.run_episode`: its `setup`, `run` and `finalize`, its agents' interactions, limits and
 interception), with three things chosen by rollflow. Every agent of the `Env` plays with
-rollflow's in-process harness (`rollflow.envs.harness`, verifiers' null loop without a program or
+rollflow's in-process harness (`rollflow.verifiers.harness`, verifiers' null loop without a program or
 a sandbox), on the local runtime, without retries. The interception is one server on loopback.
 And the model client is the run's endpoint (`rollflow.agent.server`) at its one URL: verifiers
 names each rollout in `X-Session-ID`, and each rollout's id is bound to its episode as verifiers
@@ -18,7 +18,7 @@ that agent's trace's weighted rewards as the `Env` and its task recorded them, r
 taskset's id, each reward and metric going to `Sample.env_metrics`. An episode that verifiers
 records as failed (a hook raised, a model call was refused, a deadline passed), that leaves no
 trainable agent or more than one, or whose trace has no reward, is unscorable with the reason.
-This module does not load or check the taskset (`rollflow.envs.taskset_loader`).
+This module does not load or check the taskset (`rollflow.verifiers.loader`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from rollflow.config import VerifiersEnvConfig
 from rollflow.data_files import Row
 from rollflow.envs.protocol import GenerateTurn
 from rollflow.envs.source import EpisodeContext, EpisodeSource
-from rollflow.envs.taskset_loader import KEY, Taskset, task_rows
-from rollflow.envs.tasksets import Unscorable, trace_reward
 from rollflow.errors import ConfigError
 from rollflow.records import Prompt, Sample, SamplingSpec
+from rollflow.verifiers.loader import KEY, Taskset, task_rows
+from rollflow.verifiers.tasksets import Unscorable, trace_reward
 
 RELAY_KEY = "ROLLFLOW_RELAY_API_KEY"
 """The variable verifiers reads the model client's key from: the endpoint's relay key, with which
@@ -62,7 +62,7 @@ def env_config(env_cls: Any, settings: VerifiersEnvConfig) -> Any:
     from verifiers.v1.runtimes import SubprocessConfig
     from verifiers.v1.utils.generic import concrete_type
 
-    from rollflow.envs.harness import InProcessHarnessConfig
+    from rollflow.verifiers.harness import InProcessHarnessConfig
 
     taskset_id = settings.taskset
     config_cls = concrete_type(env_cls, vf.EnvConfig, origin=vf.Env) or vf.EnvConfig
@@ -115,7 +115,7 @@ class EnvEpisodes(EpisodeSource):
     async def start(self) -> None:
         from verifiers.v1.clients import EvalClientConfig, ModelContext
 
-        from rollflow.envs.harness import harness_http
+        from rollflow.verifiers.harness import harness_http
 
         await self.server.start()
         # One client config for every episode (the run's one URL; each rollout's session is bound to
@@ -138,7 +138,7 @@ class EnvEpisodes(EpisodeSource):
         serves its interception another way."""
         from verifiers.v1.interception.server import InterceptionServer
 
-        from rollflow.envs.harness import EndpointRelay
+        from rollflow.verifiers.harness import EndpointRelay
 
         server = getattr(self.env, "_interception", None)
         if isinstance(server, InterceptionServer):
@@ -158,7 +158,7 @@ class EnvEpisodes(EpisodeSource):
     async def play(
         self, prompt: Prompt, *, group_id: str, index: int, generate: GenerateTurn, context: EpisodeContext
     ) -> Sample:
-        from rollflow.envs.harness import HTTP, TOOLS
+        from rollflow.verifiers.harness import HTTP, TOOLS
 
         task = self.tasks[prompt.metadata[KEY]]
         played, here = self._served_here(task)
@@ -196,9 +196,9 @@ class EnvEpisodes(EpisodeSource):
     @staticmethod
     def _served_here(task: Any) -> tuple[Any, Any]:
         """The task as the Env plays it, and the toolsets rollflow serves its rollouts: its toolsets
-        on the local runtime, pointed at rollflow (`task_tools.point_here`), served in-process by
+        on the local runtime, pointed at rollflow (`toolsets.point_here`), served in-process by
         rollflow's harness; None when it has none (verifiers serves the others)."""
-        from rollflow.envs.task_tools import RolloutTools, point_here
+        from rollflow.verifiers.toolsets import RolloutTools, point_here
 
         config, positions = point_here(type(task), task.config)
         if not positions:
