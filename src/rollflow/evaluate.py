@@ -26,6 +26,7 @@ from rollflow.engine import Engine
 from rollflow.errors import ConfigError, RequestRefused, UnusablePrompt, UserInputError
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout, unusable
+from rollflow.sampler import sampling_spec
 from rollflow.scoring import Scored, Scorer, eval_scorer
 from rollflow.tasks import parse_task
 
@@ -95,15 +96,6 @@ def split_held_out(rows: list[Row], n: int, name: str) -> tuple[list[Row], list[
             "to train (give fewer)"
         )
     return rows[: len(rows) - n], rows[len(rows) - n :]
-
-
-def sampling_spec(config: Config, *, greedy: bool = False) -> SamplingSpec:
-    s = config.sampling
-    if greedy:
-        return SamplingSpec(temperature=0.0, max_tokens=s.max_tokens)
-    return SamplingSpec(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, ignore_eos=s.ignore_eos
-    )
 
 
 async def evaluate(

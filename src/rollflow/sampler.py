@@ -17,10 +17,10 @@ import asyncio
 import random
 from collections.abc import Callable, Iterator
 
-from rollflow.config import DataConfig
+from rollflow.config import Config, DataConfig
 from rollflow.data_files import ROLES, Row, read_rows
 from rollflow.errors import DataError, UnusablePrompt
-from rollflow.records import Message, Prompt
+from rollflow.records import Message, Prompt, SamplingSpec
 from rollflow.tasks import Task, parse_task
 
 __all__ = ["ROLES", "Encode", "Sampler", "read_jsonl"]
@@ -143,3 +143,14 @@ class Sampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def sampling_spec(config: Config, *, greedy: bool = False) -> SamplingSpec:
+    """The run's sampling (`[sampling]`) as every request carries it; `greedy`: temperature 0,
+    for held-out accuracy."""
+    s = config.sampling
+    if greedy:
+        return SamplingSpec(temperature=0.0, max_tokens=s.max_tokens)
+    return SamplingSpec(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, ignore_eos=s.ignore_eos
+    )

@@ -30,7 +30,7 @@ def test_file_then_overrides(tmp_path):
 
 
 def test_sampling_section_reaches_the_engine_spec():
-    from rollflow.evaluate import sampling_spec
+    from rollflow.sampler import sampling_spec
 
     cfg = load_config(overrides=["sampling.ignore_eos=true", "sampling.top_k=20", "sampling.max_tokens=7"])
     spec = sampling_spec(cfg)

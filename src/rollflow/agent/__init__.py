@@ -38,7 +38,8 @@ from rollflow.errors import ConfigError, GuestStuckError
 from rollflow.guest import name_of, raised
 from rollflow.imports import load_function
 from rollflow.records import Prompt, Sample, SamplingSpec
-from rollflow.scoring import finite, is_async, shown
+from rollflow.scoring import is_async
+from rollflow.values import finite, shown
 
 __all__ = [
     "AgentEpisode",
@@ -167,7 +168,7 @@ def endpoint_limits(context: EpisodeContext, settings: EndpointConfig) -> Episod
 
 def agent_episodes(settings: AgentEnvConfig, config: Config, agent: Agent | None = None) -> AgentEpisodes:
     """`kind = "agent"`: the function `settings.function` names, or `agent` (passed in Python)."""
-    from rollflow.evaluate import sampling_spec
+    from rollflow.sampler import sampling_spec
 
     if agent is None:
         if not settings.function:

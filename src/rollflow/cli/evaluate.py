@@ -93,7 +93,8 @@ def held_out_episodes(source: Any, config: Any, tokenizer: Any, model_path: Path
     from rollflow.engine.environment import resolve_context
     from rollflow.envs import ChatFormat
     from rollflow.envs.source import EpisodeContext
-    from rollflow.evaluate import HeldOutEpisodes, sampling_spec
+    from rollflow.evaluate import HeldOutEpisodes
+    from rollflow.sampler import sampling_spec
 
     rows = source.rows()
     context = EpisodeContext(

@@ -30,9 +30,9 @@ async def _generate(args: argparse.Namespace) -> int:
 
     from rollflow.checks import check_task
     from rollflow.config import CONTEXT_CAP
-    from rollflow.evaluate import evaluate, sampling_spec
+    from rollflow.evaluate import evaluate
     from rollflow.models import prompt_encoder
-    from rollflow.sampler import Sampler
+    from rollflow.sampler import Sampler, sampling_spec
     from rollflow.scoring import eval_scorer
 
     if args.prompts <= 0:

@@ -33,9 +33,10 @@ from rollflow.controller.training import Hooks, TrainingLoop
 from rollflow.controller.weights import AdapterWeights, FullWeights, WeightPublisher, WeightStrategy
 from rollflow.engine import ManagedEngine
 from rollflow.errors import ConfigError
-from rollflow.evaluate import HeldOut, HeldOutEpisodes, evaluate_held_out, sampling_spec
+from rollflow.evaluate import HeldOut, HeldOutEpisodes, evaluate_held_out
 from rollflow.guest import threads as guest_threads
 from rollflow.rundir import OwnedRun
+from rollflow.sampler import sampling_spec
 from rollflow.scoring import RewardFunc
 from rollflow.trainer import TrainerBackend
 

@@ -36,7 +36,8 @@ from rollflow.errors import ConfigError
 from rollflow.guest import name_of, raised
 from rollflow.imports import load_function
 from rollflow.records import Message, Prompt, Sample, SamplingSpec, Segment
-from rollflow.scoring import Scored, finite, is_async, shown
+from rollflow.scoring import Scored, is_async
+from rollflow.values import finite, shown
 
 if TYPE_CHECKING:
     from rollflow.config import EpisodeConfig

@@ -39,7 +39,7 @@ from rollflow.envs.tools import call_tool, parse_tool_calls
 from rollflow.errors import ConfigError
 from rollflow.imports import load_function
 from rollflow.records import Message, Prompt, Sample
-from rollflow.scoring import finite, shown
+from rollflow.values import finite, shown
 
 RESERVED = ("reset", "get_reward")
 """Methods of an environment class that are not tools."""

@@ -137,9 +137,8 @@ def episode_source(config: Config, *, env: Any = None, agent: Any = None) -> Epi
         from rollflow.envs.episode import EnvironmentEpisodes
 
         return EnvironmentEpisodes(env, settings if isinstance(settings, ToolEnvConfig) else ToolEnvConfig())
-    from rollflow.agent import agent_episodes
-
-    return agent_episodes(settings if isinstance(settings, AgentEnvConfig) else AgentEnvConfig(), config, agent)
+    make_agents: Callable[..., EpisodeSource] = _maker("agent")  # the endpoint sits above this seam
+    return make_agents(settings if isinstance(settings, AgentEnvConfig) else AgentEnvConfig(), config, agent)
 
 
 def _maker(kind: Any) -> Callable[[Any, Config], EpisodeSource]:

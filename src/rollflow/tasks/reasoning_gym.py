@@ -227,7 +227,7 @@ class ReasoningGymTask:
         entry = self._make_entry(seed, index)
         dataset = self._dataset(seed + index // CHUNK * CHUNK)
         value = dataset.score_answer(extract_answer(completion, self.answer_from), entry)
-        from rollflow.scoring import finite, shown  # (scoring imports tasks)
+        from rollflow.values import finite, shown
 
         number = finite(value)
         if number is None:

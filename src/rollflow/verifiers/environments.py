@@ -37,7 +37,8 @@ from rollflow.envs.source import EpisodeSource
 from rollflow.errors import ConfigError, DataError
 from rollflow.guest import name_of
 from rollflow.records import Message
-from rollflow.scoring import finite, is_async, shown
+from rollflow.scoring import is_async
+from rollflow.values import finite, shown
 
 EXTRA = "pip install 'rollflow[verifiers]'"
 """How to install the library (named in the error when it is missing)."""
@@ -265,7 +266,7 @@ def episodes(settings: VerifiersEnvConfig, config: Config) -> EpisodeSource:
     """`kind = "verifiers"`: the environment loaded now (a bad id or load fails at start), its
     dataset as the run's prompts, each episode its own rollout through the run's endpoint; or,
     with `taskset`, a v1 taskset (`rollflow.verifiers.tasksets`)."""
-    from rollflow.evaluate import sampling_spec
+    from rollflow.sampler import sampling_spec
 
     if bool(settings.environment) == bool(settings.taskset):
         raise ConfigError(

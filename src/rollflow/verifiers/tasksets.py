@@ -42,7 +42,7 @@ from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.envs.tools import split_calls
 from rollflow.errors import ConfigError
 from rollflow.records import Message, Prompt, Sample, SamplingSpec
-from rollflow.scoring import finite, shown
+from rollflow.values import finite, shown
 from rollflow.verifiers.loader import KEY, Taskset, load_taskset, task_rows
 from rollflow.verifiers.toolsets import EpisodeState, ToolServers
 
