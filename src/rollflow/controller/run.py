@@ -323,8 +323,7 @@ class Controller:
             "the producer": self.producer.aclose, "the source of episodes": self._close_episodes,
             "the trainer ranks": self.parts.runner.aclose, "the reward scorer": self.plan.scorer.aclose,
             "the held-out scorer": self.plan.eval_scorer.aclose, "the weight transport": self.parts.transport.aclose,
-            "the engine": self.flow.supervisor.aclose,
-        }  # fmt: skip
+            "the engine": self.flow.supervisor.aclose}  # fmt: skip
         for name, close in parts.items():
             await close_within(name, close, CLOSE_TIMEOUT_S)
         self.outputs.close()
