@@ -184,3 +184,24 @@ async def test_a_reward_function_or_environment_step_that_calls_sys_exit_is_that
     sample = await run_episode(Exits(), prompt, SamplingSpec(temperature=1.0, max_tokens=8),
                                ScriptedTurns(chat, ["a"]), chat, group_id="g", index=0, limits=EpisodeLimits())
     assert sample.unscorable == "environment: step called sys.exit(5)"
+
+
+async def test_a_run_whose_stuck_calls_fill_the_guest_pool_stops_naming_the_callable(tmp_path, gate, monkeypatch):
+    """Every agent call hangs past its timeout: once the stuck threads leave the pool only its size
+    below its cap, the run stops with one line naming the callable and how many of its calls are
+    stuck (a small cap here, so it fires before the stop rule's count of failed groups)."""
+    import rollflow.guest
+
+    monkeypatch.setattr(rollflow.guest, "CAP_PER_SIZE", 1.25)  # 32 samples in flight: cap 40, stop at 8 stuck
+
+    def hangs(task, base_url):
+        gate.wait()
+
+    controller = _controller(
+        tmp_path, agent=hangs,
+        overrides=["run.max_steps=4", "env.kind=agent", "env.episode_timeout_s=0.3", "run.stall_timeout_s=60"],
+    )
+    with pytest.raises(TrainingError) as stopped:
+        await asyncio.wait_for(controller.run(), 60)
+    message = str(stopped.value)
+    assert message.startswith("user code is stuck: ") and " calls of agent " in message and "hangs" in message
