@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rollflow.config import CONTEXT_CAP, Config, EndpointConfig, OpenEnvConfig, VerifiersEnvConfig
+from rollflow.config import CONTEXT_CAP, Config, EndpointConfig, OpenEnvConfig
 from rollflow.errors import ConfigError
 from rollflow.tasks import Task, parse_task
 
@@ -180,8 +180,8 @@ def check_task(config: Config) -> Task:
 
 def episode_problems(config: Config) -> list[str]:
     """What cannot work in the episode settings (`[env]`): raw prompts, an OpenEnv source with
-    both or neither of its server settings, a dataset beside an environment that brings its own,
-    evaluation that cannot apply."""
+    both or neither of its server settings, evaluation that cannot apply. (A dataset beside a
+    source that brings its own prompts is refused once the source exists: `controller.setup`.)"""
     env, problems = config.env, list[str]()
     if env is None:
         return problems
@@ -196,8 +196,6 @@ def episode_problems(config: Config) -> list[str]:
             'env.url: kind = "openenv" needs the server\'s address (env.url) or the app rollflow serves '
             "(env.server), one of them"
         )
-    if isinstance(env, VerifiersEnvConfig) and config.data.paths:
-        problems.append("data.paths: a verifiers environment brings its own dataset; remove data.paths")
     if isinstance(env, EndpointConfig) and env.time_budget_s >= env.episode_timeout_s:
         problems.append(
             f"env.time_budget_s: {env.time_budget_s:g} s is not below env.episode_timeout_s "

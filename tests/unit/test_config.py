@@ -116,8 +116,6 @@ def test_the_cli_refuses_greedy_training_with_exit_code_2(tmp_path, capsys, monk
         (["rollout.overlong=soft"], r'rollout.overlong_buffer: the "soft" penalty needs a buffer between 1 and'),
         (["run.eval_pass_k=4"], r"run.eval_pass_k: pass@k is measured on the held-out prompts"),
         (['env.kind="openenv"', 'env.client="m:C"'], r"env.url: kind = \"openenv\" needs the server's address"),
-        (['env.kind="verifiers"', 'env.environment="vf-sums"', 'data.paths=["a.jsonl"]', "data.task=jsonl"],
-         r"data.paths: a verifiers environment"),
         (['env.kind="agent"', 'env.function="m:f"', "env.time_budget_s=60", "env.episode_timeout_s=60"],
          r"env.time_budget_s: 60 s is not below env.episode_timeout_s \(60 s\)"),
     ],

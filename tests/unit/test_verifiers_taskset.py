@@ -773,3 +773,24 @@ async def test_each_episodes_task_toolsets_are_closed_when_it_ends(chat):
     await play(episodes, chat, [call("peek"), call("peek")], i=1, max_tokens=900, max_turns=1)
     assert ts_closing_tools.CLOSED == ["first", "second"] == ts_closing_tools.OPENED
     await episodes.aclose()
+
+
+@pytest.mark.usefixtures("tasksets", "example_environments")
+@pytest.mark.parametrize("source", [["env.taskset=sums-taskset", "env.taskset_args={n = 4}"],
+                                    ['env.environment="vf-sums"']])
+def test_data_paths_beside_a_source_that_brings_its_own_prompts_are_refused(tmp_path, source):
+    """A source that brings its own prompts (a v1 taskset's tasks, a classic environment's
+    dataset) leaves no use for `data.paths`: refused before anything is written, naming both."""
+    from importlib import metadata
+
+    from rollflow.verifiers.environments import _version_tuple
+
+    if "environment" in source[0] and _version_tuple(metadata.version("verifiers")) >= (0, 4):
+        pytest.skip("verifiers 0.4 has no classic environments (refused, as its own test shows)")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
+    config = load_config(preset="tiny", overrides=[
+        "env.kind=verifiers", *source, "data.task=jsonl", f'data.paths=["{rows}"]'])
+    with pytest.raises(ConfigError, match=r"data.paths: \[env\] kind = 'verifiers' brings its own prompts"):
+        Controller(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

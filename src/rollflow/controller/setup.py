@@ -91,6 +91,9 @@ def prepare(
     check_engines(config)
     task = check_task(config)
     episodes = episode_source(config, env=env, agent=agent)
+    if episodes is not None and episodes.rows() is not None and config.data.paths:  # what it declares
+        kind = episodes.settings.__struct_config__.tag
+        raise ConfigError(f"data.paths: [env] kind = {kind!r} brings its own prompts; remove data.paths")
     if episodes is not None and config.env is None:  # its defaults are the run's settings
         config = msgspec.structs.replace(config, env=episodes.settings)  # type: ignore[arg-type]
     rewards = make_rewards(config.scoring, config.run.reward, reward_funcs, env=episodes is not None, task=task)
