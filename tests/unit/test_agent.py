@@ -170,7 +170,7 @@ async def test_a_bound_session_selects_its_episode_at_the_runs_one_url_until_the
     alone is no key."""
     ep, _ = episode(chat, ["bound"])
     key, _ = agent_server.open(ep)
-    agent_server.bind("rollout-1", key)
+    agent_server.registry.bind("rollout-1", key)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     relay = {"Authorization": f"Bearer {agent_server.relay_key}"}
     async with aiohttp.ClientSession() as http:
@@ -193,7 +193,7 @@ async def test_a_wrong_key_is_refused_even_with_another_episodes_bound_session(c
     theirs, _ = episode(chat, ["theirs"])
     my_key, _ = agent_server.open(mine)
     their_key, _ = agent_server.open(theirs)
-    agent_server.bind("their-rollout", their_key)
+    agent_server.registry.bind("their-rollout", their_key)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     url = f"{agent_server.url}/v1/chat/completions"
     async with aiohttp.ClientSession() as http:

@@ -6,16 +6,11 @@ chat completions), `POST /responses` (OpenAI's Responses API, `rollflow.agent.re
 `POST /messages` (Anthropic's Messages API, `rollflow.agent.anthropic`; Anthropic's client takes
 the URL without `/v1`) and `GET /models` (in a form both clients read).
 The same routes answer at the run's one URL, `http://HOST:PORT/v1/...`, for the episode whose key
-the call carries (`Authorization: Bearer KEY` or `x-api-key: KEY`): each episode gets a random key
-of its own (`api_key`) that dies with it; a call with no key, or a wrong or expired one, is a 401
-in the dialect's error shape and never reaches another episode.
+the call carries (`Authorization: Bearer KEY` or `x-api-key: KEY`; who a call is for, keys and
+bound sessions: `rollflow.agent.registry`); a refused key is a 401 in the dialect's error shape.
 A call with an `X-Session-ID` header belongs to that session of its episode: each session is a
 conversation of its own (a program that runs several agents in one episode, verifiers' `Env`s),
-and the episode's sample is one session's (`AgentEpisode.sample`). The key decides the episode; a
-session header only chooses among its sessions (naming another episode's is a 401). A source that
-learns its program's session ids as they are minted binds them to the episode (`bind`): a call
-with the run's relay key (`relay_key`, the run's own client's) naming a bound session is that
-session's episode's, so one model client serves every episode.
+and the episode's sample is one session's (`AgentEpisode.sample`).
 
 A chat request the run cannot honour — another model, a sampling setting other than the run's
 (the importance-sampling correction assumes the run's distribution), `n` > 1, constrained
@@ -43,12 +38,10 @@ from aiohttp import web
 from rollflow.agent import anthropic, responses
 from rollflow.agent.dialect import check_run_settings, function_tool, positive, stop_sequences, tool_list
 from rollflow.agent.episode import AgentEpisode, BadRequest, Reply
+from rollflow.agent.registry import SESSION_HEADER, Refused, Registry
 from rollflow.records import SamplingSpec
 
 log = logging.getLogger(__name__)
-
-SESSION_HEADER = "X-Session-ID"
-"""The header naming a call's session within its episode (verifiers' clients send each rollout's id)."""
 
 _CHANGES_SAMPLING = ("frequency_penalty", "presence_penalty", "logit_bias", "response_format", "top_k", "min_p")
 
@@ -74,16 +67,6 @@ _UNSUPPORTED = {
 """Fields refused whenever they are set, and why."""
 
 
-class Refused(Exception):
-    """A call refused before or around its turn (no episode, a body that is not JSON, a timeout);
-    each dialect answers it in its own error shape."""
-
-    def __init__(self, status: int, message: str = "", code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-
-
 class AgentServer:
     """Serves every episode of a run; `open` gives an episode its base URL."""
 
@@ -102,22 +85,17 @@ class AgentServer:
         self.host = host
         self.port = port
         self.call_timeout_s = call_timeout_s
-        self._episodes: dict[str, AgentEpisode] = {}
-        self._keys: dict[str, str] = {}
-        """api key -> episode id"""
-        self._secrets: dict[str, str] = {}
-        """episode id -> its api key"""
-        self._sessions: dict[str, str] = {}
-        """a bound `X-Session-ID` -> episode id (`bind`)"""
-        self._bound: dict[str, list[str]] = {}
-        """episode id -> its bound sessions (dropped with it)"""
+        self.registry = Registry()
+        """Who a call is for: the running episodes, their keys and sessions."""
         self._conversations: dict[str, dict[str, list[dict[str, Any]]]] = {}
         """Responses API: episode id -> response id -> the conversation it ended, until the episode ends."""
         self._runner: web.AppRunner | None = None
         self.requests = 0
-        self.relay_key = secrets.token_urlsafe(24)
-        """The key of the run's own model client (a verifiers `Env`'s): with it, a bound session
-        selects its episode."""
+
+    @property
+    def relay_key(self) -> str:
+        """The key of the run's own model client (`Registry.relay_key`)."""
+        return self.registry.relay_key
 
     @property
     def url(self) -> str:
@@ -147,30 +125,17 @@ class AgentServer:
 
     def open(self, episode: AgentEpisode) -> tuple[str, str]:
         """Register an episode; returns (its id, its base URL)."""
-        key = secrets.token_hex(8)
-        self._episodes[key] = episode
-        secret = self._secrets[key] = secrets.token_urlsafe(24)
-        self._keys[secret] = key
+        key = self.registry.open(episode)
         return key, f"{self.url}/episodes/{key}/v1"
 
     def api_key(self, key: str) -> str:
         """The key that selects episode `key` on the run's one URL."""
-        return self._secrets[key]
-
-    def bind(self, session: str, key: str) -> None:
-        """Calls to the run's one URL naming `session` (`X-Session-ID`, a rollout id a program
-        minted for episode `key`: verifiers' `Env`s) with the run's `relay_key` are episode `key`'s:
-        the program's model client is then one for every episode."""
-        self._sessions[session] = key
-        self._bound.setdefault(key, []).append(session)
+        return self.registry.api_key(key)
 
     def close(self, key: str) -> None:
         """The episode has ended: its URL answers 404, its key 401, its sessions 401 from now on."""
-        self._episodes.pop(key, None)
-        self._keys.pop(self._secrets.pop(key, ""), None)
+        self.registry.close(key)
         self._conversations.pop(key, None)
-        for session in self._bound.pop(key, []):
-            self._sessions.pop(session, None)
 
     # ---- routes ------------------------------------------------------------------------------
 
@@ -188,7 +153,7 @@ class AgentServer:
         """The call's episode (its id, itself) and its JSON body, or `Refused`."""
         self.requests += 1
         key = request.match_info.get("episode") or self._key_of(request)
-        episode = self._episodes.get(key)
+        episode = self.registry.episodes.get(key)
         if episode is None:
             raise Refused(404, f"episode {key} is not running (it has ended, or never existed)", "not_found")
         try:
@@ -206,25 +171,7 @@ class AgentServer:
         session); `Refused` (401) otherwise, and when its session is another episode's."""
         bearer = request.headers.get("Authorization", "")
         secret = request.headers.get("x-api-key") or (bearer[7:] if bearer.startswith("Bearer ") else "")
-        owner = self._sessions.get(request.headers.get(SESSION_HEADER, ""))
-        if secret == self.relay_key and owner is not None:
-            return owner
-        if not secret:
-            raise Refused(401, "no API key: give the episode's key (Authorization: Bearer KEY or x-api-key)",
-                           "invalid_api_key")  # fmt: skip
-        key = self._keys.get(secret)
-        if key is None:
-            raise Refused(401, "this API key belongs to no running episode (a wrong key, or its episode ended)",
-                           "invalid_api_key")  # fmt: skip
-        if owner is not None and owner != key:
-            raise Refused(401, f"the {SESSION_HEADER} names a session of another episode than this key's",
-                           "invalid_api_key")  # fmt: skip
-        return key
-
-    def session_episode(self, session: str | None) -> AgentEpisode | None:
-        """The running episode a bound session belongs to (`bind`), if any."""
-        key = self._sessions.get(session or "")
-        return self._episodes.get(key) if key is not None else None
+        return self.registry.key_for(secret, request.headers.get(SESSION_HEADER, ""))
 
     async def chat_turn(self, episode: AgentEpisode, body: dict[str, Any], session: str | None) -> Reply:
         """One chat completions call's turn, checked as the endpoint checks it (`BadRequest`, or
@@ -381,7 +328,7 @@ class AgentServer:
         wanted = isinstance(include, list) and responses.LOGPROBS in include
         logprobs = self._logprobs(episode, reply)["content"] if wanted else None
         done = responses.response(reply, body, self.model, self.sampling, logprobs)
-        if key in self._episodes:  # (an episode that ended meanwhile keeps nothing)
+        if key in self.registry.episodes:  # (an episode that ended meanwhile keeps nothing)
             self._conversations.setdefault(key, {})[done["id"]] = responses.conversation(messages, reply)
         if not body.get("stream"):
             return web.json_response(done)

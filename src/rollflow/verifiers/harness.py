@@ -200,7 +200,7 @@ class EndpointRelay(Client):
     ) -> Any:
         if not isinstance(dialect, ChatDialect):
             raise model_error(f"{type(dialect).__name__}: rollflow's harness speaks chat completions", status_code=400)
-        episode = self.server.session_episode(session_id)
+        episode = self.server.registry.session_episode(session_id)
         if episode is None:
             raise model_error(f"rollout {session_id} belongs to no running episode", status_code=404)
         try:

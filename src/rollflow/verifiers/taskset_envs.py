@@ -209,7 +209,7 @@ class EnvEpisodes(EpisodeSource):
 
     def _bind(self, key: str, trace: Any) -> None:
         """A rollout of episode `key` was minted: its calls (named by its id) are the episode's."""
-        self.server.bind(trace.id, key)
+        self.server.registry.bind(trace.id, key)
 
     def _trainable(self, played: Any) -> Any:
         """The episode's one trainable agent's trace; Unscorable with verifiers' error when the
