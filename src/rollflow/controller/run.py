@@ -19,6 +19,7 @@ from typing import Any
 
 from rollflow.buffer import Admission, GroupBuffer
 from rollflow.checkpoint import RunState
+from rollflow.checks import in_flight_samples
 from rollflow.closing import CLOSE_TIMEOUT_S, close_within
 from rollflow.config import Config, dump_config
 from rollflow.controller.accounting import Accounting
@@ -129,12 +130,11 @@ class Controller:
 
     async def run(self) -> RunResult:
         owned = OwnedRun(self.output_dir)  # before anything in the directory is read or cut back
-        in_flight = (self.config.run.max_lag + 1) * self.admission.samples_per_step  # sizes the guest pool
         try:
             resumed = prepare_output_dir(self.output_dir, self.config, resume=self.resume)
             owned.record("running")
             try:
-                with guest_threads().serving(in_flight, on_stuck=self.stall.give_up):  # stuck calls stop it
+                with guest_threads().serving(in_flight_samples(self.config), on_stuck=self.stall.give_up):
                     result = await self._run(resumed)
             except BaseException as err:
                 training = self.training
