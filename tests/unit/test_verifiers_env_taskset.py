@@ -16,7 +16,7 @@ import pytest
 from rollflow.config import Config, VerifiersEnvConfig, load_config
 from rollflow.controller import Controller
 from rollflow.controller.setup import Given
-from rollflow.envs.source import EpisodeContext, episode_source
+from rollflow.episodes.source import EpisodeContext, episode_source
 from rollflow.errors import ConfigError
 from rollflow.records import Prompt, SamplingSpec
 from rollflow.testing import FakeEngine, FakeTrainer, NullTransport, ScriptedTurns

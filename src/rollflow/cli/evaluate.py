@@ -92,7 +92,7 @@ def held_out_episodes(source: Any, config: Any, tokenizer: Any, model_path: Path
     brings its own prompts."""
     from rollflow.engine.environment import resolve_context
     from rollflow.envs import ChatFormat
-    from rollflow.envs.source import EpisodeContext
+    from rollflow.episodes.source import EpisodeContext
     from rollflow.evaluate import HeldOutEpisodes
     from rollflow.sampler import sampling_spec
 

@@ -3,7 +3,7 @@ controller is made), then the heavy components (`build`, when it runs), unless t
 passed its own.
 
 `prepare` refuses settings a run cannot use (`rollflow.checks`), parses the task, makes the
-source of episodes (`rollflow.envs.source`) and the scorers, and returns them as one `Plan`.
+source of episodes (`rollflow.episodes.source`) and the scorers, and returns them as one `Plan`.
 `build` returns one `Components` record: tokenizer, sampler, the trainer and the runner its
 calls go through, the distillation teacher, the engine and how to build a replacement, and the
 weight transport. `Flow` is what the producer and the training loop share. Tests pass fakes
@@ -34,7 +34,7 @@ from rollflow.engine import ManagedEngine
 from rollflow.engine.environment import model_context, resolve_context
 from rollflow.engine.factory import check_engines, make_engine
 from rollflow.envs import ChatFormat
-from rollflow.envs.source import EpisodeSource, episode_source
+from rollflow.episodes.source import EpisodeSource, episode_source
 from rollflow.errors import ConfigError
 from rollflow.evaluate import split_held_out
 from rollflow.models import check_chat_template, load_tokenizer, prompt_encoder, resolve_model

@@ -1,14 +1,13 @@
 """Multi-turn episodes: the model takes a turn, an environment answers, until it says done.
 
 The seam's types are in `rollflow.envs.protocol` (`Environment`, `Turn`, `EnvStep`, `Served`),
-conversations as token sequences in `rollflow.envs.chat`, playing an episode in
+conversations as token sequences in `rollflow.episodes.chat`, playing an episode in
 `rollflow.envs.episode`, and the one seam every source of episodes enters through (this one, an
-agent's, an OpenEnv or verifiers environment's) in `rollflow.envs.source`. Built-in
+agent's, an OpenEnv or verifiers environment's) in `rollflow.episodes.source`. Built-in
 environments: `calculator` (tool calls, `rollflow.envs.calculator`) and `retry`
 (`rollflow.envs.retry`); OpenEnv environments come through `rollflow.envs.openenv`.
 """
 
-from rollflow.envs.chat import ChatFormat
 from rollflow.envs.episode import (
     EnvironmentEpisodes,
     episode_score,
@@ -26,6 +25,7 @@ from rollflow.envs.protocol import (
     Served,
     Turn,
 )
+from rollflow.episodes.chat import ChatFormat
 from rollflow.records import Message
 
 __all__ = [

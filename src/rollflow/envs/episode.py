@@ -10,7 +10,7 @@ episode interrupted by an update resumes at its turn boundary with every earlier
 
 Environment failures are the episode's, not the run's: a `reset` or `step` that raises, runs
 past `step_timeout_s` or returns the wrong type ends the episode unscorable with the reason.
-`EnvironmentEpisodes` is the episode source (`rollflow.envs.source`) of step-wise environments:
+`EnvironmentEpisodes` is the episode source (`rollflow.episodes.source`) of step-wise environments:
 rollflow's own (`kind = "tool"`: `calculator`, `retry`, or a class of yours) and OpenEnv's
 (`rollflow.envs.openenv`). `episode_score` hands an episode's rewards to scoring. This module does
 not run reward functions (`rollflow.scoring`) or generate (the caller's `generate` does).
@@ -28,10 +28,10 @@ import msgspec
 
 from rollflow import guest
 from rollflow.config import Config, ToolEnvConfig
-from rollflow.envs.chat import ChatFormat
 from rollflow.envs.protocol import EnvFactory, Environment, EnvStep, EpisodeLimits, GenerateTurn, Served, Turn
-from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.envs.tools import STEP_LIMIT
+from rollflow.episodes.chat import ChatFormat
+from rollflow.episodes.source import EpisodeContext, EpisodeSource
 from rollflow.errors import ConfigError
 from rollflow.guest import name_of, raised
 from rollflow.imports import load_function

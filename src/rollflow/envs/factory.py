@@ -34,8 +34,8 @@ from rollflow import guest
 from rollflow.config import Config, FactoryEnvConfig
 from rollflow.envs.episode import BuildFailed, construct, failed_episode, run_episode
 from rollflow.envs.protocol import EnvStep, EpisodeLimits, GenerateTurn, Turn
-from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.envs.tools import call_tool, parse_tool_calls
+from rollflow.episodes.source import EpisodeContext, EpisodeSource
 from rollflow.errors import ConfigError
 from rollflow.imports import load_function
 from rollflow.records import Message, Prompt, Sample

@@ -4,7 +4,7 @@ tasksets loaded and refused (`loader`), played turn by turn (`tasksets`) or by t
 in-process or reached at a URL (`toolsets`).
 
 The package depends on the episode seam (`rollflow.envs`) and the endpoint (`rollflow.agent`),
-never the other way round: `[env] kind = "verifiers"` reaches it through `rollflow.envs.source`'s
+never the other way round: `[env] kind = "verifiers"` reaches it through `rollflow.episodes.source`'s
 table of sources. verifiers itself is imported lazily, inside the functions that need it, and a
 missing one is named with its pip extra. Nothing here is imported by `import rollflow`.
 """

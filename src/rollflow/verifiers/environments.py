@@ -33,7 +33,7 @@ from rollflow.agent.http import http_client
 from rollflow.config import Config, VerifiersEnvConfig
 from rollflow.data_files import Row
 from rollflow.envs import Served
-from rollflow.envs.source import EpisodeSource
+from rollflow.episodes.source import EpisodeSource
 from rollflow.errors import ConfigError, DataError
 from rollflow.guest import name_of
 from rollflow.records import Message

@@ -38,8 +38,8 @@ from rollflow.config import VerifiersEnvConfig
 from rollflow.data_files import Row
 from rollflow.envs.episode import failed_episode, run_episode
 from rollflow.envs.protocol import EnvStep, GenerateTurn, Turn
-from rollflow.envs.source import EpisodeContext, EpisodeSource
 from rollflow.envs.tools import split_calls
+from rollflow.episodes.source import EpisodeContext, EpisodeSource
 from rollflow.errors import ConfigError
 from rollflow.records import Message, Prompt, Sample, SamplingSpec
 from rollflow.values import finite, shown

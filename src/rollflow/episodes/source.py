@@ -30,8 +30,8 @@ from rollflow.imports import load_function
 
 if TYPE_CHECKING:
     from rollflow.data_files import Row
-    from rollflow.envs.chat import ChatFormat
     from rollflow.envs.protocol import GenerateTurn
+    from rollflow.episodes.chat import ChatFormat
     from rollflow.records import Prompt, Sample, SamplingSpec
 
 SOURCES: dict[str, str] = {
