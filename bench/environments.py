@@ -39,7 +39,7 @@ from rollflow.engine.vllm import VLLMEngine
 from rollflow.envs import ChatFormat, EpisodeLimits, run_episode
 from rollflow.envs.factory import episodes
 from rollflow.envs.openenv import OpenEnvSource
-from rollflow.episodes.source import EpisodeContext, EpisodeSource
+from rollflow.episodes import EpisodeContext, EpisodeSource
 from rollflow.models import load_tokenizer, resolve_model
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import rollout

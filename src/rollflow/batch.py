@@ -72,52 +72,20 @@ def build_batch(
     `filter_overlong`: samples cut at the token budget keep their place (and their reward in the
     baseline) but none of their tokens is in the loss (`overlong_filtered`).
     """
-    samples, all_lags, sample_lags, withheld, loss_lag_max, overlong, splits = [], [], [], 0, 0, 0, 0
-    rewards: list[float] = []
-    turns: list[int] = []
-    kl_terms: list[float] = []
-    parts: dict[str, list[float]] = {}
-    measured: dict[str, list[float]] = {}
-    unscorable: dict[str, int] = {}
-    budget_ends: dict[str, int] = {}
+    tally = _Tally(step, max_lag)
+    samples: list[TrainSample] = []
     for group in groups:
-        # Baseline of the reverse-KL term: its mean over the group's tokens (lowers the variance).
-        gaps = [
-            t - b
-            for s in group.samples
-            if s.reward is not None and s.teacher_logprobs is not None
-            for t, b in zip(s.teacher_logprobs, s.logprobs, strict=True)
-        ]
-        baseline = sum(gaps) / len(gaps) if gaps else 0.0
+        baseline = _kl_baseline(group)
         extras = group.token_advantages or [None] * len(group.samples)
         for sample, advantage, extra in zip(group.samples, group.advantages, extras, strict=True):
-            if sample.budget is not None:
-                budget_ends[sample.budget] = budget_ends.get(sample.budget, 0) + 1
-            if sample.reward is None:
-                reason = sample.unscorable or "unknown"
-                unscorable[reason] = unscorable.get(reason, 0) + 1
+            if not tally.scored(sample, reward_name):
                 continue
-            rewards.append(sample.reward)
-            turns.append(sample.turns)
-            for name, value in (sample.reward_parts or {reward_name: sample.reward}).items():
-                parts.setdefault(name, []).append(value)
-            for name, value in sample.env_metrics.items():
-                measured.setdefault(name, []).append(value)
-            if filter_overlong and sample.finish_reason == "length":
-                overlong += 1
-            splits += len(sample.segments)
+            cut = filter_overlong and sample.finish_reason == "length"
+            tally.overlong += cut
             # An agent's earlier sequences (history rewritten) train with the episode's advantage.
             for part in [*(_segment_sample(sample, s) for s in sample.segments), sample]:
-                mask, n = withhold_stale(part.versions, part.loss_mask, step, max_lag)
-                withheld += n
-                if filter_overlong and sample.finish_reason == "length":
-                    mask = [0] * len(mask)
-                token_lags = lags(part.versions, step)
-                for lag, kept in zip(token_lags, mask, strict=True):
-                    if kept and lag > loss_lag_max:
-                        loss_lag_max = lag
-                all_lags += token_lags
-                sample_lags.append(max(token_lags, default=0))
+                mask = tally.withhold(part, cut)
+                token_extra = extra if part is sample else None
                 samples.append(
                     train_sample(
                         part,
@@ -125,38 +93,103 @@ def build_batch(
                         mask,
                         distill_coef=distill_coef,
                         distill_baseline=baseline,
-                        token_extra=extra if part is sample else None,
+                        token_extra=token_extra,
                     )
                 )
-            if sample.teacher_logprobs is not None:
-                kl_terms += [b - t for b, t in zip(sample.logprobs, sample.teacher_logprobs, strict=True)]
-    mean, std = _mean_std(rewards)
-    stats = {
-        "reward_mean": mean,
-        "reward_std": std,
-        "rewards": {name: dict(zip(("mean", "std"), _mean_std(values), strict=True)) for name, values in parts.items()},
-        "env_metrics": {name: sum(values) / len(values) for name, values in measured.items()},
-        "budget_ends": budget_ends,
-        "samples": len(samples),
-        "tokens": sum(s.num_completion for s in samples),
-        "turns_mean": sum(turns) / len(turns) if turns else 0.0,
-        "lag_mean": sum(all_lags) / len(all_lags) if all_lags else 0.0,
-        "lag_max": max(all_lags, default=0),
-        "lag_hist": histogram(all_lags),
-        "sample_lag_max": max(sample_lags, default=0),
-        "sample_lag_hist": histogram(sample_lags),
-        "withheld_tokens": withheld,
-        "withheld_by_reason": {f"lag > {max_lag}": withheld} if withheld else {},
-        "loss_lag_max": loss_lag_max,
-        "unscorable": sum(unscorable.values()),
-        "unscorable_by_reason": unscorable,
-        "overlong_filtered": overlong,
-        "agent_splits": splits,
-    }
-    if kl_terms:
-        stats["teacher_kl"] = sum(kl_terms) / len(kl_terms)
-        stats["teacher_gap_abs_max"] = max(abs(k) for k in kl_terms)
-    return TrainBatch(step=step, samples=samples, max_tokens=max_tokens), stats
+    return TrainBatch(step=step, samples=samples, max_tokens=max_tokens), tally.stats(samples)
+
+
+def _kl_baseline(group: Group) -> float:
+    """Baseline of the reverse-KL term: its mean over the group's tokens (lowers the variance)."""
+    gaps = [
+        t - b
+        for s in group.samples
+        if s.reward is not None and s.teacher_logprobs is not None
+        for t, b in zip(s.teacher_logprobs, s.logprobs, strict=True)
+    ]
+    return sum(gaps) / len(gaps) if gaps else 0.0
+
+
+class _Tally:
+    """What a batch's metrics count, sample by sample (`stats` reports them)."""
+
+    def __init__(self, step: int, max_lag: int) -> None:
+        self.step, self.max_lag = step, max_lag
+        self.rewards: list[float] = []
+        self.turns: list[int] = []
+        self.kl_terms: list[float] = []
+        self.parts: dict[str, list[float]] = {}
+        self.measured: dict[str, list[float]] = {}
+        self.unscorable: dict[str, int] = {}
+        self.budget_ends: dict[str, int] = {}
+        self.all_lags: list[int] = []
+        self.sample_lags: list[int] = []
+        self.withheld = self.loss_lag_max = self.overlong = self.splits = self.off_policy = 0
+
+    def scored(self, sample: Sample, reward_name: str) -> bool:
+        """Count the sample; False when it is unscorable (it stays out of the batch)."""
+        if sample.budget is not None:
+            self.budget_ends[sample.budget] = self.budget_ends.get(sample.budget, 0) + 1
+        self.off_policy += sample.made_by is not None
+        if sample.reward is None:
+            reason = sample.unscorable or "unknown"
+            self.unscorable[reason] = self.unscorable.get(reason, 0) + 1
+            return False
+        self.rewards.append(sample.reward)
+        self.turns.append(sample.turns)
+        for name, value in (sample.reward_parts or {reward_name: sample.reward}).items():
+            self.parts.setdefault(name, []).append(value)
+        for name, value in sample.env_metrics.items():
+            self.measured.setdefault(name, []).append(value)
+        self.splits += len(sample.segments)
+        if sample.teacher_logprobs is not None:
+            self.kl_terms += [b - t for b, t in zip(sample.logprobs, sample.teacher_logprobs, strict=True)]
+        return True
+
+    def withhold(self, part: Sample, cut: bool) -> list[int]:
+        """`part`'s loss mask with its too-stale tokens withheld (all of them when `cut`), its lags counted."""
+        mask, n = withhold_stale(part.versions, part.loss_mask, self.step, self.max_lag)
+        self.withheld += n
+        if cut:
+            mask = [0] * len(mask)
+        token_lags = lags(part.versions, self.step)
+        for lag, kept in zip(token_lags, mask, strict=True):
+            if kept and lag > self.loss_lag_max:
+                self.loss_lag_max = lag
+        self.all_lags += token_lags
+        self.sample_lags.append(max(token_lags, default=0))
+        return mask
+
+    def stats(self, samples: list[TrainSample]) -> dict[str, Any]:
+        mean, std = _mean_std(self.rewards)
+        all_lags, turns = self.all_lags, self.turns
+        stats = {
+            "reward_mean": mean,
+            "reward_std": std,
+            "rewards": {n: dict(zip(("mean", "std"), _mean_std(v), strict=True)) for n, v in self.parts.items()},
+            "env_metrics": {name: sum(values) / len(values) for name, values in self.measured.items()},
+            "budget_ends": self.budget_ends,
+            "samples": len(samples),
+            "tokens": sum(s.num_completion for s in samples),
+            "turns_mean": sum(turns) / len(turns) if turns else 0.0,
+            "lag_mean": sum(all_lags) / len(all_lags) if all_lags else 0.0,
+            "lag_max": max(all_lags, default=0),
+            "lag_hist": histogram(all_lags),
+            "sample_lag_max": max(self.sample_lags, default=0),
+            "sample_lag_hist": histogram(self.sample_lags),
+            "withheld_tokens": self.withheld,
+            "withheld_by_reason": {f"lag > {self.max_lag}": self.withheld} if self.withheld else {},
+            "loss_lag_max": self.loss_lag_max,
+            "unscorable": sum(self.unscorable.values()),
+            "unscorable_by_reason": self.unscorable,
+            "overlong_filtered": self.overlong,
+            "agent_splits": self.splits,
+            "off_policy_samples": self.off_policy,
+        }
+        if self.kl_terms:
+            stats["teacher_kl"] = sum(self.kl_terms) / len(self.kl_terms)
+            stats["teacher_gap_abs_max"] = max(abs(k) for k in self.kl_terms)
+        return stats
 
 
 def _segment_sample(sample: Sample, segment: Segment) -> Sample:

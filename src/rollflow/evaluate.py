@@ -32,7 +32,7 @@ from rollflow.tasks import parse_task
 
 if TYPE_CHECKING:
     from rollflow.data_files import Row
-    from rollflow.episodes.source import EpisodeContext, EpisodeSource
+    from rollflow.episodes import EpisodeContext, EpisodeSource
 
 log = logging.getLogger(__name__)
 

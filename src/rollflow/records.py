@@ -101,6 +101,10 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The episode budget that refused a call or cut a turn short: `turns` (`env.max_turns`), `tokens`
     (`env.max_tokens` or the context), `model_tokens` (`env.max_model_tokens`) or `time`
     (`env.time_budget_s`); None when none did. Counted per step in `budget_ends`."""
+    made_by: str | None = None
+    """The policy that made its tokens when not the run's (a recorded episode played back): its
+    versions are those it was adopted under (`EpisodeContext.adopted`), its log-probs that
+    policy's. Counted per step in `off_policy_samples`."""
 
     @property
     def num_tokens(self) -> int:

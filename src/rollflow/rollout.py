@@ -23,6 +23,7 @@ import contextlib
 import msgspec
 
 from rollflow.engine import Engine, EngineOutput, PartialMode
+from rollflow.episodes import Recording, Sequence, sample_of
 from rollflow.errors import EngineDeadError, EngineError
 from rollflow.records import Prompt, Sample, SamplingSpec
 
@@ -157,18 +158,9 @@ async def rollout(
         versions += out.versions or []
         finish_reason = out.finish_reason or "stop"
         break
-    sample = Sample(
-        prompt_id=prompt.id,
-        group_id=group_id,
-        index=index,
-        prompt_token_ids=prompt.token_ids,
-        completion_token_ids=tokens,
-        logprobs=logprobs,
-        versions=versions,
-        loss_mask=[1] * len(tokens),
-        finish_reason=finish_reason,
-        sampling=sampling,
-        interruptions=interruptions,
-    )
+    mask = [1] * len(tokens)
+    completion = Sequence(opening=prompt.token_ids, tokens=tokens, logprobs=logprobs, versions=versions, mask=mask)
+    recording = Recording(last=completion, finish_reason=finish_reason, interruptions=interruptions)
+    sample = sample_of(prompt, recording, group_id=group_id, index=index, sampling=sampling)
     progress.saved = PartialSample(done=sample)
     return sample

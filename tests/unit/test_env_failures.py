@@ -453,7 +453,7 @@ async def test_an_environment_class_whose_constructor_raises_makes_only_its_epis
 
     from rollflow.config import ToolEnvConfig
     from rollflow.envs import EnvironmentEpisodes
-    from rollflow.episodes.source import EpisodeContext
+    from rollflow.episodes import EpisodeContext
 
     built_on: list[str] = []
 

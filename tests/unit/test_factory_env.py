@@ -15,7 +15,7 @@ from rollflow.controller import Controller
 from rollflow.controller.setup import Given
 from rollflow.envs import ChatFormat
 from rollflow.envs.factory import episodes, load_classes
-from rollflow.episodes.source import EpisodeContext
+from rollflow.episodes import EpisodeContext
 from rollflow.errors import ConfigError
 from rollflow.records import Message, Prompt, SamplingSpec
 from rollflow.testing import FakeEngine, FakeTrainer, NullTransport, ScriptedTurns

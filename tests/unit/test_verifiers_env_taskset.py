@@ -16,9 +16,10 @@ import pytest
 from rollflow.config import Config, VerifiersEnvConfig, load_config
 from rollflow.controller import Controller
 from rollflow.controller.setup import Given
-from rollflow.episodes.source import EpisodeContext, episode_source
+from rollflow.episodes import EpisodeContext
 from rollflow.errors import ConfigError
 from rollflow.records import Prompt, SamplingSpec
+from rollflow.sources import episode_source
 from rollflow.testing import FakeEngine, FakeTrainer, NullTransport, ScriptedTurns
 from rollflow.verifiers.taskset_envs import EnvEpisodes
 from rollflow.verifiers.tasksets import taskset_episodes

@@ -13,7 +13,7 @@ The agent's return value is the episode's reward (the part `env`); None leaves s
 `[[scoring.rewards]]`, which read the episode's last conversation as the completion. An agent that
 raises, returns something other than a finite number or None, or runs past `env.episode_timeout_s`
 makes its episode unscorable with the reason; the run goes on. `AgentEpisodes` is the source of
-such episodes (`rollflow.episodes.source`); a verifiers environment (`kind = "verifiers"`) is such an
+such episodes (`rollflow.episodes`); a verifiers environment (`kind = "verifiers"`) is such an
 agent too (`rollflow.verifiers.environments`), with its own prompts. This module does not generate (the
 producer's `generate` does) or score.
 """
@@ -32,8 +32,7 @@ from rollflow.agent.http import http_client
 from rollflow.agent.server import AgentServer
 from rollflow.config import AgentEnvConfig, Config, EndpointConfig
 from rollflow.data_files import Row
-from rollflow.envs import EpisodeLimits, GenerateTurn, Served
-from rollflow.episodes.source import EpisodeContext, EpisodeSource
+from rollflow.episodes import EpisodeContext, EpisodeLimits, EpisodeSource, GenerateTurn, Served
 from rollflow.errors import ConfigError, GuestStuckError
 from rollflow.guest import name_of, raised
 from rollflow.imports import load_function

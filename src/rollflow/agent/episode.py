@@ -38,9 +38,9 @@ from typing import Any
 import msgspec
 
 from rollflow.agent.messages import BadRequest, canonical, message_key
-from rollflow.envs import ChatFormat, EpisodeLimits, GenerateTurn
 from rollflow.envs.tools import split_calls
-from rollflow.records import Message, Prompt, Sample, SamplingSpec, Segment
+from rollflow.episodes import ChatFormat, EpisodeLimits, GenerateTurn, Recording, Sequence, sample_of
+from rollflow.records import Message, Prompt, Sample, SamplingSpec
 
 
 class Reply(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,30 +57,14 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
     """The stop sequence that ended the turn (its text ends before it)."""
 
 
-@dataclass(eq=False)
-class Conversation:
-    """One token sequence of an episode."""
+@dataclass(eq=False, kw_only=True)
+class Conversation(Sequence):
+    """One token sequence of an episode, with the messages it holds."""
 
     keys: list[Any]
     """The messages it holds as the agent sends them (`message_key`), after the tools' key."""
     canonical: list[Message]
     """The same messages as the chat template renders them."""
-    rendered: str
-    opening: list[int]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    finish_reason: str = "stop"
-
-    def segment(self) -> Segment:
-        return Segment(
-            prompt_token_ids=list(self.opening),
-            completion_token_ids=list(self.tokens),
-            logprobs=list(self.logprobs),
-            versions=list(self.versions),
-            loss_mask=list(self.mask),
-        )
 
 
 BUDGET_SETTINGS = {
@@ -187,10 +171,7 @@ class AgentEpisode:
             self.model_tokens += n
             lane.interruptions += turn.interruptions
             token_ids, logprobs = turn.completion_token_ids[:n], turn.logprobs[:n]
-            conv.tokens += token_ids
-            conv.logprobs += logprobs
-            conv.versions += turn.versions[:n]
-            conv.mask += [1] * n
+            conv.add(token_ids, logprobs, turn.versions[:n], 1)
             conv.finish_reason = finish
             raw = self.chat.tokenizer.decode(token_ids, skip_special_tokens=False)
             conv.rendered += raw
@@ -270,10 +251,7 @@ class AgentEpisode:
                 if len(conv.tokens) + len(added) >= limit:
                     return None
                 last_version = conv.versions[-1] if conv.versions else 0
-                conv.tokens += added
-                conv.logprobs += [0.0] * len(added)
-                conv.versions += [last_version] * len(added)
-                conv.mask += [0] * len(added)
+                conv.add(added, [0.0] * len(added), [last_version] * len(added), 0)
                 conv.keys += added_keys
                 conv.canonical, conv.rendered = messages, rendered
                 return conv
@@ -330,24 +308,16 @@ class AgentEpisode:
         if conv is None:
             failure = failure or self._no_turn(lane)
         steps = [(len(conv.tokens) - 1, reward)] if conv is not None and conv.tokens and reward is not None else []
-        return Sample(
-            prompt_id=self.prompt.id,
-            group_id=group_id,
-            index=index,
-            prompt_token_ids=list(conv.opening) if conv is not None else self.prompt.token_ids,
-            completion_token_ids=list(conv.tokens) if conv is not None else [],
-            logprobs=list(conv.logprobs) if conv is not None else [],
-            versions=list(conv.versions) if conv is not None else [],
-            loss_mask=list(conv.mask) if conv is not None else [],
-            finish_reason=conv.finish_reason if conv is not None else "stop",
-            sampling=self.sampling,
+        recording = Recording(
+            last=conv,
+            closed=list(lane.closed),
             interruptions=lane.interruptions,
-            unscorable=failure,
+            failure=failure,
             process_rewards=steps,
-            turns=max(lane.calls, 1),
-            segments=[c.segment() for c in lane.closed],
+            turns=lane.calls,
             budget=lane.budget,
         )
+        return sample_of(self.prompt, recording, group_id=group_id, index=index, sampling=self.sampling)
 
     def _no_turn(self, lane: Lane) -> str:
         """Why an episode has no turn: its agent made no call, or a budget was spent before the first."""

@@ -58,7 +58,8 @@ async def _eval(args: argparse.Namespace) -> int:
             await plan.episodes.start()  # before the model: a bad address fails in seconds
         model_path, tokenizer = prepared_model(config, console)
         if plan is not None and plan.episodes is not None:
-            check_chat_template(tokenizer, config.model.path, "environments render conversations with it")
+            if plan.episodes.renders_chat:
+                check_chat_template(tokenizer, config.model.path, "environments render conversations with it")
             episodes = held_out_episodes(plan.episodes, config, tokenizer, model_path, args.prompts)
         prompts = await held_out_prompts(config, tokenizer, args.prompts, episodes.rows if episodes else None)
         engine = await started_engine(config, model_path, console)
@@ -92,7 +93,7 @@ def held_out_episodes(source: Any, config: Any, tokenizer: Any, model_path: Path
     brings its own prompts."""
     from rollflow.engine.environment import resolve_context
     from rollflow.envs import ChatFormat
-    from rollflow.episodes.source import EpisodeContext
+    from rollflow.episodes import EpisodeContext
     from rollflow.evaluate import HeldOutEpisodes
     from rollflow.sampler import sampling_spec
 

@@ -20,7 +20,7 @@ import msgspec
 from rollflow.advantage import group_advantages, overlong_penalty, process_advantages
 from rollflow.config import Config
 from rollflow.envs import episode_score
-from rollflow.episodes.source import EpisodeSource
+from rollflow.episodes import EpisodeSource
 from rollflow.records import Group, Prompt, Sample
 from rollflow.rollout import Progress
 from rollflow.scoring import Scored, Scorer

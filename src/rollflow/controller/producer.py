@@ -2,7 +2,7 @@
 
 `Producer.run` waits for room under the capacity rule (`buffer.Admission`), draws the next
 prompt and launches its group as one task; the group's G rollouts stream concurrently (single
-turns, or multi-turn episodes played by the run's episode source, `rollflow.episodes.source`), each
+turns, or multi-turn episodes played by the run's episode source, `rollflow.episodes`), each
 surviving engine deaths through the supervisor; the finished samples are scored beside generation
 (`controller.groups.score_group`) and go into the buffer. A group that cannot be used is dropped
 with its reason in the ledger and gives its admission room back: every drop, admission release
@@ -22,7 +22,7 @@ from rollflow.checkpoint import PendingGroup
 from rollflow.config import Config
 from rollflow.controller.groups import Dropped, InFlight, Scoring, score_group
 from rollflow.controller.setup import Components, Flow
-from rollflow.episodes.source import EpisodeContext, EpisodeSource
+from rollflow.episodes import EpisodeContext, EpisodeSource
 from rollflow.errors import EngineDeadError, EngineError, UnusablePrompt
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.rollout import PartialSample, Progress, rollout, unusable
@@ -51,7 +51,9 @@ class Producer:
         self.spec = spec
         self.episodes = episodes
         self.context = (
-            EpisodeContext(chat=parts.chat, sampling=spec, max_model_len=config.engine.max_model_len)
+            EpisodeContext(
+                chat=parts.chat, sampling=spec, max_model_len=config.engine.max_model_len, version=self._version
+            )
             if parts.chat is not None
             else None
         )
@@ -74,6 +76,10 @@ class Producer:
         """Wall time with at least one group generating (the engine's busy time)."""
         self._busy_since: float | None = None
         self._generating = 0
+
+    def _version(self) -> int:
+        """The policy version the serving engine generates under now (`EpisodeContext.version`)."""
+        return self.flow.supervisor.engine.version
 
     # ---- launching groups -----------------------------------------------------------------
 

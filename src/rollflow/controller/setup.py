@@ -3,7 +3,7 @@ controller is made), then the heavy components (`build`, when it runs), unless t
 passed its own.
 
 `prepare` refuses settings a run cannot use (`rollflow.checks`), parses the task, makes the
-source of episodes (`rollflow.episodes.source`) and the scorers, and returns them as one `Plan`.
+source of episodes (`rollflow.episodes`) and the scorers, and returns them as one `Plan`.
 `build` returns one `Components` record: tokenizer, sampler, the trainer and the runner its
 calls go through, the distillation teacher, the engine and how to build a replacement, and the
 weight transport. `Flow` is what the producer and the training loop share. Tests pass fakes
@@ -34,12 +34,13 @@ from rollflow.engine import ManagedEngine
 from rollflow.engine.environment import model_context, resolve_context
 from rollflow.engine.factory import check_engines, make_engine
 from rollflow.envs import ChatFormat
-from rollflow.episodes.source import EpisodeSource, episode_source
+from rollflow.episodes import EpisodeSource
 from rollflow.errors import ConfigError
 from rollflow.evaluate import split_held_out
 from rollflow.models import check_chat_template, load_tokenizer, prompt_encoder, resolve_model
 from rollflow.sampler import Sampler
 from rollflow.scoring import RewardFunc, Scorer, eval_scorer, make_rewards
+from rollflow.sources import episode_source
 from rollflow.tasks import Task
 from rollflow.trace import Trace
 from rollflow.trainer import TrainerBackend
@@ -166,7 +167,9 @@ async def build(plan: Plan, given: Given) -> Components:
     model_path = resolve_model(config.model.path) if needs_model else Path(config.model.path)
     config = with_context(config, model_path)
     tokenizer = given.tokenizer or load_tokenizer(model_path)
-    if multi_turn:  # before the trainer loads: a missing template fails at once
+    if (
+        plan.episodes is not None and plan.episodes.renders_chat
+    ):  # before the trainer loads: a missing template fails at once
         check_chat_template(tokenizer, config.model.path, "environments render conversations with it")
     elif config.data.template == "chat":
         check_chat_template(tokenizer, config.model.path)

@@ -64,6 +64,9 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     agent_splits: int = 0
     """Extra sequences trained because an agent rewrote its conversation's history (`[env] kind = "agent"` or
     `"verifiers"`)."""
+    off_policy_samples: int = 0
+    """Samples of the batch's groups whose tokens another policy made (`Sample.made_by`: a recorded episode
+    played back), unscorable ones included."""
     teacher_kl: float | None = None
     """On-policy distillation: mean of behaviour minus teacher log-prob over the batch's tokens."""
     teacher_gap_abs_max: float | None = None

@@ -1,9 +1,9 @@
 """Multi-turn episodes: the model takes a turn, an environment answers, until it says done.
 
-The seam's types are in `rollflow.envs.protocol` (`Environment`, `Turn`, `EnvStep`, `Served`),
-conversations as token sequences in `rollflow.episodes.chat`, playing an episode in
-`rollflow.envs.episode`, and the one seam every source of episodes enters through (this one, an
-agent's, an OpenEnv or verifiers environment's) in `rollflow.episodes.source`. Built-in
+The environment's types are in `rollflow.envs.protocol` (`Environment`, `Turn`, `EnvStep`),
+playing an episode in `rollflow.envs.episode`; the seam every source of episodes enters through
+(this one, an agent's, an OpenEnv or verifiers environment's) is `rollflow.episodes`, whose
+`ChatFormat`, `EpisodeLimits`, `GenerateTurn` and `Served` are re-exported here. Built-in
 environments: `calculator` (tool calls, `rollflow.envs.calculator`) and `retry`
 (`rollflow.envs.retry`); OpenEnv environments come through `rollflow.envs.openenv`.
 """
@@ -16,15 +16,8 @@ from rollflow.envs.episode import (
     run_episode,
     tool_episodes,
 )
-from rollflow.envs.protocol import (
-    EnvFactory,
-    Environment,
-    EnvStep,
-    EpisodeLimits,
-    GenerateTurn,
-    Served,
-    Turn,
-)
+from rollflow.envs.protocol import EnvFactory, Environment, EnvStep, Turn
+from rollflow.episodes import EpisodeLimits, GenerateTurn, Served
 from rollflow.episodes.chat import ChatFormat
 from rollflow.records import Message
 

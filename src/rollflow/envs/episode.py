@@ -10,7 +10,7 @@ episode interrupted by an update resumes at its turn boundary with every earlier
 
 Environment failures are the episode's, not the run's: a `reset` or `step` that raises, runs
 past `step_timeout_s` or returns the wrong type ends the episode unscorable with the reason.
-`EnvironmentEpisodes` is the episode source (`rollflow.episodes.source`) of step-wise environments:
+`EnvironmentEpisodes` is the episode source (`rollflow.episodes`) of step-wise environments:
 rollflow's own (`kind = "tool"`: `calculator`, `retry`, or a class of yours) and OpenEnv's
 (`rollflow.envs.openenv`). `episode_score` hands an episode's rewards to scoring. This module does
 not run reward functions (`rollflow.scoring`) or generate (the caller's `generate` does).
@@ -28,14 +28,24 @@ import msgspec
 
 from rollflow import guest
 from rollflow.config import Config, ToolEnvConfig
-from rollflow.envs.protocol import EnvFactory, Environment, EnvStep, EpisodeLimits, GenerateTurn, Served, Turn
+from rollflow.envs.protocol import EnvFactory, Environment, EnvStep, Turn
 from rollflow.envs.tools import STEP_LIMIT
+from rollflow.episodes import (
+    EpisodeContext,
+    EpisodeLimits,
+    EpisodeSource,
+    GenerateTurn,
+    Recording,
+    Sequence,
+    Served,
+    failed_episode,
+    sample_of,
+)
 from rollflow.episodes.chat import ChatFormat
-from rollflow.episodes.source import EpisodeContext, EpisodeSource
 from rollflow.errors import ConfigError
 from rollflow.guest import name_of, raised
 from rollflow.imports import load_function
-from rollflow.records import Message, Prompt, Sample, SamplingSpec, Segment
+from rollflow.records import Message, Prompt, Sample, SamplingSpec
 from rollflow.scoring import Scored, is_async
 from rollflow.values import finite, shown
 
@@ -43,33 +53,6 @@ if TYPE_CHECKING:
     from rollflow.config import EpisodeConfig
 
 log = logging.getLogger(__name__)
-
-
-class _Sequence:
-    """One token sequence of an episode: the opening, then the turns (model and environment)."""
-
-    def __init__(self, rendered: str, opening: list[int]) -> None:
-        self.rendered = rendered
-        self.opening = opening
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.mask: list[int] = []
-
-    def add(self, tokens: list[int], logprobs: list[float], versions: list[int], mask: int) -> None:
-        self.tokens += tokens
-        self.logprobs += logprobs
-        self.versions += versions
-        self.mask += [mask] * len(tokens)
-
-    def segment(self) -> Segment:
-        return Segment(
-            prompt_token_ids=self.opening,
-            completion_token_ids=self.tokens,
-            logprobs=self.logprobs,
-            versions=self.versions,
-            loss_mask=self.mask,
-        )
 
 
 async def run_episode(
@@ -98,107 +81,128 @@ async def run_episode(
     rendering. `limits.max_tokens` counts the completion tokens of all of them. `tools`: the
     environment's tools as OpenAI function schemas, shown by templates that show them;
     `reward_name`: what its rewards are reported as (`Sample.env_reward`)."""
-    seq = _Sequence("", [])
-    closed: list[_Sequence] = []
-    steps: list[tuple[int, float]] = []
-    carried = 0.0
-    """Rewards of turns in closed sequences (anchored on the last sequence's last token)."""
-    interruptions = 0
-    finish_reason = "length"
-    failure: str | None = None
-    turns = 0
+    play = _Play(env, chat, limits, tools, reward_name)
     try:
-        try:
-            messages = _opening(await _bounded(env.reset(prompt), limits.step_timeout_s, "reset"))
-            rendered = chat.render(messages, tools)
-            seq = _Sequence(rendered, chat.tokens(rendered))
-        except _EnvFailed as err:  # no episode: the sample is the prompt alone, unscorable
-            failure, finish_reason, seq = str(err), "stop", _Sequence("", prompt.token_ids)
-        while failure is None and turns < limits.max_turns:
-            spent = sum(len(c.tokens) for c in closed) + len(seq.tokens)
-            room = min(limits.max_tokens - spent, limits.max_model_len - len(seq.opening) - len(seq.tokens))
-            budget = min(sampling.max_tokens, room)
-            if budget <= 0:
-                finish_reason = "length"
-                break
-            spec = msgspec.structs.replace(sampling, max_tokens=budget)
-            turn = await generate(seq.opening + seq.tokens, spec, turns)
-            seq.add(turn.completion_token_ids, turn.logprobs, turn.versions, 1)
-            interruptions += turn.interruptions
-            finish_reason = turn.finish_reason
-            text = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=False)
-            seq.rendered += text
-            messages.append(Message(role="assistant", content=chat.assistant_content(text)))
-            plain = chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=True)
-            try:
-                turn_seen = Turn(text=plain, finish_reason=turn.finish_reason, index=turns)
-                result = _answer(await _bounded(env.step(turn_seen), limits.step_timeout_s, "step"))
-            except _EnvFailed as err:
-                failure = str(err)
-                break
-            turns += 1
-            if result.reward is not None and seq.tokens:
-                steps.append((len(seq.tokens) - 1, result.reward))
-            if result.done or not result.messages:
-                finish_reason = "stop" if result.done else finish_reason
-                break
-            messages += result.messages
-            spent += turn.num_tokens
-            try:
-                seq.rendered, added = chat.extend(seq.rendered, messages, tools)
-            except ValueError:  # the template rewrites history: the next turn starts a new sequence
-                rendered = chat.render(messages, tools)
-                opening = chat.tokens(rendered)
-                if turns >= limits.max_turns or len(opening) >= limits.max_model_len or spent >= limits.max_tokens:
-                    finish_reason = "length"
-                    break
-                closed.append(seq)
-                carried += sum(r for _, r in steps)
-                steps = []
-                seq = _Sequence(rendered, opening)
-                continue
-            if spent + len(added) >= limits.max_tokens or (
-                len(seq.opening) + len(seq.tokens) + len(added) >= limits.max_model_len
-            ):
-                finish_reason = "length"  # no room left for another turn after what the environment said
-                break
-            last_version = seq.versions[-1] if seq.versions else 0
-            seq.add(added, [0.0] * len(added), [last_version] * len(added), 0)
+        going = await play.open(prompt)
+        while going and play.record.turns < limits.max_turns:
+            going = await play.turn(sampling, generate)
     finally:
         await _close(env, limits.step_timeout_s)
-    if closed and not seq.tokens:  # split, but no turn followed: the last sequence is the closed one
-        seq = closed.pop()
-    if carried and seq.tokens:
-        steps.append((len(seq.tokens) - 1, carried))
-    return Sample(
-        prompt_id=prompt.id,
-        group_id=group_id,
-        index=index,
-        prompt_token_ids=seq.opening,
-        completion_token_ids=seq.tokens,
-        logprobs=seq.logprobs,
-        versions=seq.versions,
-        loss_mask=seq.mask,
-        finish_reason=finish_reason,
-        sampling=sampling,
-        interruptions=interruptions,
-        unscorable=failure,
-        process_rewards=steps,
-        turns=max(turns, 1),
-        segments=[c.segment() for c in closed],
-        env_reward=reward_name,
-    )
+    return sample_of(prompt, play.recording(), group_id=group_id, index=index, sampling=sampling)
 
 
-def failed_episode(
-    prompt: Prompt, sampling: SamplingSpec, *, group_id: str, index: int, reason: str, reward_name: str = "env"
-) -> Sample:
-    """The sample of an episode that could not start: the prompt alone, unscorable with `reason`."""
-    return Sample(
-        prompt_id=prompt.id, group_id=group_id, index=index, prompt_token_ids=prompt.token_ids,
-        completion_token_ids=[], logprobs=[], versions=[], loss_mask=[], finish_reason="stop",
-        sampling=sampling, unscorable=reason, env_reward=reward_name,
-    )  # fmt: skip
+class _Play:
+    """One episode's phases: the opening, each model turn and the environment's answer, and what
+    the environment said added to the sequence (or a new sequence when the template rewrites
+    history). Each phase returns whether the episode goes on; `record` says how it ended."""
+
+    def __init__(
+        self,
+        env: Environment,
+        chat: ChatFormat,
+        limits: EpisodeLimits,
+        tools: list[dict[str, Any]] | None,
+        reward_name: str,
+    ) -> None:
+        self.env, self.chat, self.limits, self.tools = env, chat, limits, tools
+        self.record = Recording(finish_reason="length", turns=0, reward_name=reward_name)
+        self.seq = Sequence(opening=[])
+        self.messages: list[Message] = []
+        self.steps: list[tuple[int, float]] = []
+        """The current sequence's turn rewards (at the token that ends each turn)."""
+        self.carried = 0.0
+        """Rewards of turns in closed sequences (anchored on the last sequence's last token)."""
+
+    async def open(self, prompt: Prompt) -> bool:
+        try:
+            reset = self.env.reset(prompt)
+            self.messages = _opening(await _bounded(reset, self.limits.step_timeout_s, "reset"))
+        except _EnvFailed as err:  # no episode: the sample is the prompt alone, unscorable
+            self.record.failure, self.record.finish_reason = str(err), "stop"
+            self.seq = Sequence(opening=prompt.token_ids)
+            return False
+        rendered = self.chat.render(self.messages, self.tools)
+        self.seq = Sequence(opening=self.chat.tokens(rendered), rendered=rendered)
+        return True
+
+    def _spent(self) -> int:
+        """Completion tokens of the episode so far, every sequence of it."""
+        return sum(len(c.tokens) for c in self.record.closed) + len(self.seq.tokens)
+
+    async def turn(self, sampling: SamplingSpec, generate: GenerateTurn) -> bool:
+        """One model turn, within what is left of the episode's tokens, and the environment's answer."""
+        seq, limits, record = self.seq, self.limits, self.record
+        room = min(limits.max_tokens - self._spent(), limits.max_model_len - len(seq.opening) - len(seq.tokens))
+        budget = min(sampling.max_tokens, room)
+        if budget <= 0:
+            record.finish_reason = "length"
+            return False
+        spec = msgspec.structs.replace(sampling, max_tokens=budget)
+        turn = await generate(seq.opening + seq.tokens, spec, record.turns)
+        seq.add(turn.completion_token_ids, turn.logprobs, turn.versions, 1)
+        record.interruptions += turn.interruptions
+        record.finish_reason = turn.finish_reason
+        text = self.chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=False)
+        seq.rendered += text
+        self.messages.append(Message(role="assistant", content=self.chat.assistant_content(text)))
+        plain = self.chat.tokenizer.decode(turn.completion_token_ids, skip_special_tokens=True)
+        try:
+            seen = Turn(text=plain, finish_reason=turn.finish_reason, index=record.turns)
+            result = _answer(await _bounded(self.env.step(seen), limits.step_timeout_s, "step"))
+        except _EnvFailed as err:
+            record.failure = str(err)
+            return False
+        record.turns += 1
+        if result.reward is not None and seq.tokens:
+            self.steps.append((len(seq.tokens) - 1, result.reward))
+        if result.done or not result.messages:
+            record.finish_reason = "stop" if result.done else record.finish_reason
+            return False
+        self.messages += result.messages
+        return self._extend()
+
+    def _extend(self) -> bool:
+        """What the environment said, tokenised on its own and appended with loss mask 0; False
+        when no room is left for another turn after it."""
+        seq, limits = self.seq, self.limits
+        spent = self._spent()
+        try:
+            seq.rendered, added = self.chat.extend(seq.rendered, self.messages, self.tools)
+        except ValueError:  # the template rewrites history: the next turn starts a new sequence
+            return self._split(spent)
+        if spent + len(added) >= limits.max_tokens or (
+            len(seq.opening) + len(seq.tokens) + len(added) >= limits.max_model_len
+        ):
+            self.record.finish_reason = "length"
+            return False
+        last_version = seq.versions[-1] if seq.versions else 0
+        seq.add(added, [0.0] * len(added), [last_version] * len(added), 0)
+        return True
+
+    def _split(self, spent: int) -> bool:
+        """Close the sequence and start the next from the template's own rendering, if a turn fits."""
+        limits = self.limits
+        rendered = self.chat.render(self.messages, self.tools)
+        opening = self.chat.tokens(rendered)
+        if self.record.turns >= limits.max_turns or len(opening) >= limits.max_model_len or spent >= limits.max_tokens:
+            self.record.finish_reason = "length"
+            return False
+        self.record.closed.append(self.seq)
+        self.carried += sum(r for _, r in self.steps)
+        self.steps = []
+        self.seq = Sequence(opening=opening, rendered=rendered)
+        return True
+
+    def recording(self) -> Recording:
+        """The episode as it ended: its last sequence (a closed one when no turn followed the
+        split), with the closed sequences' rewards at its last token."""
+        record = self.record
+        if record.closed and not self.seq.tokens:
+            self.seq = record.closed.pop()
+        if self.carried and self.seq.tokens:
+            self.steps.append((len(self.seq.tokens) - 1, self.carried))
+        record.last, record.process_rewards = self.seq, self.steps
+        return record
 
 
 class _EnvFailed(Exception):

@@ -32,10 +32,10 @@ from typing import Any
 
 from rollflow import guest
 from rollflow.config import Config, FactoryEnvConfig
-from rollflow.envs.episode import BuildFailed, construct, failed_episode, run_episode
-from rollflow.envs.protocol import EnvStep, EpisodeLimits, GenerateTurn, Turn
+from rollflow.envs.episode import BuildFailed, construct, run_episode
+from rollflow.envs.protocol import EnvStep, Turn
 from rollflow.envs.tools import call_tool, parse_tool_calls
-from rollflow.episodes.source import EpisodeContext, EpisodeSource
+from rollflow.episodes import EpisodeContext, EpisodeLimits, EpisodeSource, GenerateTurn, failed_episode
 from rollflow.errors import ConfigError
 from rollflow.imports import load_function
 from rollflow.records import Message, Prompt, Sample

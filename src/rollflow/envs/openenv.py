@@ -39,7 +39,8 @@ from typing import Any
 
 from rollflow import guest
 from rollflow.config import Config, OpenEnvConfig
-from rollflow.envs import EnvironmentEpisodes, EnvStep, Served, Turn
+from rollflow.envs import EnvironmentEpisodes, EnvStep, Turn
+from rollflow.episodes import Served
 from rollflow.errors import ConfigError
 from rollflow.guest import name_of
 from rollflow.imports import load_function

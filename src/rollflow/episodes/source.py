@@ -3,46 +3,65 @@
 An `EpisodeSource` plays one sample's episode (`play`): the producer gives it the prompt, where
 the sample sits in its group, a `generate` that runs one model turn like any sample (streamed,
 with per-token versions, surviving weight updates and engine restarts) and the `EpisodeContext`
-(the chat template, the run's sampling, the context length). The controller starts it before
-the first episode and closes it at the end (it is `Served`), takes the prompts it brings
-(`rows`), and never asks what kind it is. `episode_source(config)` picks the adapter `[env]`'s
-`kind` names (`SOURCES`), or wraps what was passed in Python (`env=`, `agent=`).
+(the chat template, the run's sampling, the context length, the policy version the engine
+generates under now). The controller starts it before the first episode and closes it at the
+end (it is `Served`), takes the prompts it brings (`rows`), checks the model has a chat template
+when it says it renders conversations (`renders_chat`), and never asks what kind it is.
 
-The adapters, each in one module beside the seam it feeds: `rollflow.envs.EnvironmentEpisodes`
-(step-wise environments: `tool` and `openenv`), `rollflow.envs.factory.FactoryEpisodes` (TRL's
-environment classes), `rollflow.verifiers.tasksets.TasksetEpisodes` (verifiers v1 tasksets: `verifiers`
-with `taskset`) and `rollflow.agent.AgentEpisodes` (programs that drive the model through the run's
-endpoint: `agent`, and `verifiers` with `environment`). A new source of episodes is
-one module with a function `episodes(settings, config) -> EpisodeSource` plus one tagged struct in
-`rollflow.config` and one line in `SOURCES`. This module plays no episode itself.
+This module holds the seam's types only and imports no adapter: the adapters (step-wise
+environments in `rollflow.envs`, agents in `rollflow.agent`, verifiers in `rollflow.verifiers`)
+import it, and `rollflow.sources` picks the one `[env].kind` names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import abc
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollflow.config import AgentEnvConfig, Config, EpisodeConfig, FactoryEnvConfig, ToolEnvConfig
-from rollflow.envs.protocol import EpisodeLimits, Served
-from rollflow.errors import ConfigError
-from rollflow.imports import load_function
+import msgspec
+
+from rollflow.records import Prompt, Sample, SamplingSpec
 
 if TYPE_CHECKING:
+    from rollflow.config import EpisodeConfig
     from rollflow.data_files import Row
-    from rollflow.envs.protocol import GenerateTurn
     from rollflow.episodes.chat import ChatFormat
-    from rollflow.records import Prompt, Sample, SamplingSpec
 
-SOURCES: dict[str, str] = {
-    "tool": "rollflow.envs:tool_episodes",
-    "factory": "rollflow.envs.factory:episodes",
-    "openenv": "rollflow.envs.openenv:episodes",
-    "agent": "rollflow.agent:agent_episodes",
-    "verifiers": "rollflow.verifiers.environments:episodes",
-}
-"""`[env].kind` -> the function (`module:function`, imported when used) that makes its source
-from its settings and the run's config."""
+
+class Served(abc.ABC):
+    """An episode source that holds something for the whole run (a server it started, a
+    connection pool): the controller starts it before the run's first episode and closes it at
+    the end, however the run ends. A source says so by subclassing this; an episode's own
+    environment with `start` and `aclose` methods is not one (its `aclose` ends its episode)."""
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def aclose(self) -> None: ...
+
+
+GenerateTurn = Callable[[list[int], SamplingSpec, int], Awaitable[Sample]]
+"""(token ids so far, sampling with this turn's budget, turn index) -> the turn as a sample."""
+
+
+class EpisodeLimits(msgspec.Struct, frozen=True, kw_only=True):
+    max_turns: int = 4
+    max_tokens: int = 256
+    """Completion tokens of the whole episode, the model's and the environment's."""
+    max_model_len: int = 1024
+    """Prompt + completion tokens the engine accepts."""
+    max_model_tokens: int = 0
+    """The model's tokens of the whole episode, every sequence of it (0: no budget of its own)."""
+    time_budget_s: float = 0.0
+    """Wall time from the episode's start after which no turn begins (0: no budget)."""
+    step_timeout_s: float = 30.0
+
+
+def _first_version() -> int:
+    return 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,9 @@ class EpisodeContext:
     """The run's sampling (each turn's budget is cut from it)."""
     max_model_len: int
     """Prompt + completion tokens the engine accepts."""
+    version: Callable[[], int] = _first_version
+    """The policy version the engine generates under now (a turn started now is stamped with it,
+    or a later one)."""
 
     def limits(self, settings: EpisodeConfig) -> EpisodeLimits:
         """An episode's bounds under `settings` (`[env]`'s) in this run."""
@@ -64,6 +86,19 @@ class EpisodeContext:
             max_model_len=self.max_model_len,
             step_timeout_s=settings.step_timeout_s,
         )
+
+    def adopted(self, sample: Sample, policy: str) -> Sample:
+        """`sample`, whose tokens another policy made (a recorded episode played back, a
+        teacher's), trained as if generated now: every token stamped with the current version,
+        so staleness (`run.max_lag`) never drops it, while its log-probs stay the policy's that
+        made it, so the loss's importance ratio weighs the difference. `policy` names that policy
+        (`Sample.made_by`; counted per step in `off_policy_samples`)."""
+        version = self.version()
+        versions = [version] * len(sample.completion_token_ids)
+        segments = [
+            msgspec.structs.replace(s, versions=[version] * len(s.completion_token_ids)) for s in sample.segments
+        ]
+        return msgspec.structs.replace(sample, versions=versions, segments=segments, made_by=policy)
 
 
 class EpisodeSource(Served):
@@ -76,6 +111,11 @@ class EpisodeSource(Served):
     """Its groups are scored with each episode's live state (TRL's `environments=`), which a
     checkpoint cannot hold: an episode that finished before the checkpoint a run resumes from is
     played again, not taken from the checkpoint."""
+
+    renders_chat: bool = True
+    """Its episodes render conversations with the model's chat template (`EpisodeContext.chat`):
+    a model without one is refused before anything heavy loads. A source that plays back
+    recorded token ids says False."""
 
     async def start(self) -> None:
         """Start what the run's episodes need (before anything heavy loads, so a bad address
@@ -104,42 +144,3 @@ class EpisodeSource(Served):
 
     def done(self, group_id: str) -> None:
         """The group's episodes are over (scored or dropped): release what the source kept of them."""
-
-
-def episode_source(config: Config, *, env: Any = None, agent: Any = None) -> EpisodeSource | None:
-    """What the producer runs for each sample's episode: the source `[env].kind` names, or the
-    environment factory (`env`) or agent (`agent`) passed in Python with `[env]`'s settings
-    (their defaults without one); None for single-turn samples."""
-    settings = config.env
-    if env is None and agent is None:
-        return None if settings is None else _maker(settings.__struct_config__.tag)(settings, config)
-    from rollflow.envs.factory import EnvironmentFactory
-
-    if isinstance(env, EnvironmentFactory):  # TRL's classes (`environment_factory=`)
-        from rollflow.envs.factory import episodes
-
-        if settings is not None and not isinstance(settings, FactoryEnvConfig):
-            raise ConfigError(
-                f"env.kind: {settings.__struct_config__.tag!r} names another source of episodes than the "
-                'environment_factory= passed in Python; leave [env] out, or give kind = "factory" with its settings'
-            )
-        return episodes(settings if isinstance(settings, FactoryEnvConfig) else FactoryEnvConfig(), config, env.factory)
-    if env is not None and agent is not None:
-        raise ConfigError("give one source of episodes: env= or agent=, not both")
-    wanted = ToolEnvConfig if env is not None else AgentEnvConfig
-    if settings is not None and not isinstance(settings, wanted):
-        raise ConfigError(
-            f"env.kind: {settings.__struct_config__.tag!r} names another source of episodes than the "
-            f"{'env' if env is not None else 'agent'}= passed in Python; leave [env] out, or give "
-            f"kind = {wanted.__struct_config__.tag!r} with its settings"
-        )
-    if env is not None:
-        from rollflow.envs.episode import EnvironmentEpisodes
-
-        return EnvironmentEpisodes(env, settings if isinstance(settings, ToolEnvConfig) else ToolEnvConfig())
-    make_agents: Callable[..., EpisodeSource] = _maker("agent")  # the endpoint sits above this seam
-    return make_agents(settings if isinstance(settings, AgentEnvConfig) else AgentEnvConfig(), config, agent)
-
-
-def _maker(kind: Any) -> Callable[[Any, Config], EpisodeSource]:
-    return load_function(SOURCES[kind], "env.kind")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rollflow.records import Sample, SamplingSpec
+from rollflow.episodes import Recording, Sequence, sample_of
+from rollflow.records import Prompt, Sample, SamplingSpec
 
 
 class ScriptedTurns:
@@ -30,15 +31,7 @@ class ScriptedTurns:
         finish = "length" if len(ids) > spec.max_tokens else "stop"  # cut at the budget, as an engine does
         ids = ids[: spec.max_tokens]
         await asyncio.sleep(0)  # a turn yields to the loop, as a streamed one does
-        return Sample(
-            prompt_id="p",
-            group_id="g",
-            index=0,
-            prompt_token_ids=token_ids,
-            completion_token_ids=ids,
-            logprobs=[-0.1 * i for i in range(len(ids))],
-            versions=[self.version] * len(ids),
-            loss_mask=[1] * len(ids),
-            finish_reason=finish,
-            sampling=spec,
-        )
+        logprobs, versions = [-0.1 * i for i in range(len(ids))], [self.version] * len(ids)
+        turn = Sequence(opening=token_ids, tokens=ids, logprobs=logprobs, versions=versions, mask=[1] * len(ids))
+        recording = Recording(last=turn, finish_reason=finish)
+        return sample_of(Prompt(id="p", token_ids=token_ids), recording, group_id="g", index=0, sampling=spec)

@@ -32,8 +32,7 @@ from rollflow.agent import AgentEpisodes, AgentTask
 from rollflow.agent.http import http_client
 from rollflow.config import Config, VerifiersEnvConfig
 from rollflow.data_files import Row
-from rollflow.envs import Served
-from rollflow.episodes.source import EpisodeSource
+from rollflow.episodes import EpisodeSource, Served
 from rollflow.errors import ConfigError, DataError
 from rollflow.guest import name_of
 from rollflow.records import Message

@@ -36,8 +36,7 @@ from rollflow import guest
 from rollflow.agent import AgentEpisode, AgentServer, endpoint_limits
 from rollflow.config import VerifiersEnvConfig
 from rollflow.data_files import Row
-from rollflow.envs.protocol import GenerateTurn
-from rollflow.episodes.source import EpisodeContext, EpisodeSource
+from rollflow.episodes import EpisodeContext, EpisodeSource, GenerateTurn
 from rollflow.errors import ConfigError
 from rollflow.records import Prompt, Sample, SamplingSpec
 from rollflow.verifiers.loader import KEY, Taskset, task_rows

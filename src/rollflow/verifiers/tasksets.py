@@ -36,10 +36,10 @@ import msgspec
 from rollflow import guest
 from rollflow.config import VerifiersEnvConfig
 from rollflow.data_files import Row
-from rollflow.envs.episode import failed_episode, run_episode
-from rollflow.envs.protocol import EnvStep, GenerateTurn, Turn
+from rollflow.envs.episode import run_episode
+from rollflow.envs.protocol import EnvStep, Turn
 from rollflow.envs.tools import split_calls
-from rollflow.episodes.source import EpisodeContext, EpisodeSource
+from rollflow.episodes import EpisodeContext, EpisodeSource, GenerateTurn, failed_episode
 from rollflow.errors import ConfigError
 from rollflow.records import Message, Prompt, Sample, SamplingSpec
 from rollflow.values import finite, shown
