@@ -16,6 +16,7 @@ from rollflow.errors import WeightSyncError
 from rollflow.records import SamplingSpec
 from rollflow.testing import unused_port
 from rollflow.weight_sync import make_transport, plan_for, sync_weights
+from rollflow.weight_sync.gloo import RECEIVER as GLOO_RECEIVER
 
 pytestmark = pytest.mark.integration
 
@@ -193,7 +194,7 @@ async def test_stale_prefix_cache_bug_appears_without_both_guards(engine_on_a, m
 async def _start_receiving(engine, port: int):
     """Join the sender's gloo group, then run a receive inside the critical section."""
     return asyncio.create_task(
-        engine.update_weights_with(lambda: engine.rpc("rollflow_gloo_receive"), deadline_s=30)
+        engine.update_weights_with(lambda: engine.rpc("rollflow_receive", GLOO_RECEIVER), deadline_s=30)
     )
 
 
@@ -211,7 +212,7 @@ async def test_dead_or_stalled_sender_fails_within_deadline_and_engine_keeps_old
         # Join only once the sender listens: its start (imports, weights) can outlast the join's
         # 10 s on a loaded machine, and that timeout is also the group's, which bounds the stall.
         assert (await asyncio.to_thread(sender.stdout.readline)).startswith("listening")
-        await engine.rpc("rollflow_gloo_join", "127.0.0.1", port, 10.0)
+        await engine.rpc("rollflow_open_receiver", GLOO_RECEIVER, "127.0.0.1", port, 10.0)
         began = time.monotonic()
         update = await _start_receiving(engine, port)
         line = await asyncio.to_thread(sender.stdout.readline)
@@ -250,11 +251,12 @@ async def test_two_fsdp2_ranks_sync_into_the_engine(engine_on_a, model_a, tmp_pa
     )
     try:
         # Rank 0 serves the rendezvous once it has stepped; joining retries until it is up.
-        join = asyncio.create_task(engine.rpc("rollflow_gloo_join", "127.0.0.1", port, 60.0))
+        join = asyncio.create_task(engine.rpc("rollflow_open_receiver", GLOO_RECEIVER, "127.0.0.1", port, 60.0))
         exited = asyncio.create_task(asyncio.to_thread(ranks.wait))
         await asyncio.wait([join, exited], return_when=asyncio.FIRST_COMPLETED)
         assert join.done(), f"trainer ranks exited early: {ranks.stderr.read()[-3000:]}"
-        version = await engine.update_weights_with(lambda: engine.rpc("rollflow_gloo_receive"), deadline_s=120)
+        receive = lambda: engine.rpc("rollflow_receive", GLOO_RECEIVER)  # noqa: E731
+        version = await engine.update_weights_with(receive, deadline_s=120)
         _, stderr = await asyncio.to_thread(ranks.communicate, timeout=120)
         assert ranks.returncode == 0, stderr[-3000:]
     finally:

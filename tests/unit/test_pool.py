@@ -97,7 +97,7 @@ async def test_a_load_that_is_one_worker_call_reaches_each_member_as_that_call()
 
     c = Sees("c")
     pool = EnginePool([a, b, c])
-    call = WorkerCall("rollflow_shm_load", ("segment", b"plan"))
+    call = WorkerCall("rollflow_receive", ("rollflow.weight_sync.shm:ShmReceiver", "segment", b"plan"))
     assert await pool.update_weights_with(call) == 1
     assert received == [call]
     assert (a.loads, b.loads, c.loads) == (1, 1, 1) and a.version == b.version == c.version == 1

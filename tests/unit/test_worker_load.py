@@ -72,7 +72,7 @@ def test_a_load_of_held_views_in_place_is_watched_then_replayed():
 
 def test_shm_loads_of_the_same_plan_reuse_the_views_and_read_the_rewritten_bytes():
     from rollflow.weight_sync.buckets import plan_buckets
-    from rollflow.weight_sync.shm import ShmSender
+    from rollflow.weight_sync.shm import RECEIVER, ShmSender
 
     incoming = {f"layer{i}.weight": torch.full((8, 8), float(i)) for i in range(4)}
     plan = plan_buckets([(name, t.dtype, tuple(t.shape)) for name, t in incoming.items()])
@@ -81,21 +81,22 @@ def test_shm_loads_of_the_same_plan_reuse_the_views_and_read_the_rewritten_bytes
     sender = ShmSender()
     try:
         sender.write(plan, incoming.items())
-        assert w.rollflow_shm_load(sender.name, plan.encode()) == plan.total_bytes
-        views = w._rollflow_shm._views[1][1]
+        assert w.rollflow_receive(RECEIVER, sender.name, plan.encode()) == plan.total_bytes
+        receiver = w._rollflow_receivers[RECEIVER]
+        views = receiver._views[1][1]
         again = {name: tensor + 10 for name, tensor in incoming.items()}
         sender.write(plan, again.items())  # in place, as between two updates
-        assert w.rollflow_shm_load(sender.name, plan.encode()) == plan.total_bytes
-        assert w._rollflow_shm._views[1][1] is views  # not made again
+        assert w.rollflow_receive(RECEIVER, sender.name, plan.encode()) == plan.total_bytes
+        assert receiver._views[1][1] is views  # not made again
         assert all(torch.equal(model.params[name], tensor) for name, tensor in again.items())
         # Another plan (here: fewer tensors, in the same segment) gets views of its own.
         fewer = dict(list(incoming.items())[:2])
         smaller = plan_buckets([(name, t.dtype, tuple(t.shape)) for name, t in fewer.items()])
         sender.write(smaller, fewer.items())
-        w.rollflow_shm_load(sender.name, smaller.encode())
-        assert [name for name, _ in w._rollflow_shm._views[1][1]] == list(fewer)
+        w.rollflow_receive(RECEIVER, sender.name, smaller.encode())
+        assert [name for name, _ in receiver._views[1][1]] == list(fewer)
         assert all(torch.equal(model.params[name], tensor) for name, tensor in fewer.items())
-        w._rollflow_shm.close()
-        assert w._rollflow_shm._mapping is None and w._rollflow_shm._views is None
+        assert w.rollflow_close_receiver(RECEIVER) and RECEIVER not in w._rollflow_receivers
+        assert receiver._mapping is None and receiver._views is None
     finally:
         sender.close()

@@ -45,7 +45,13 @@ class EngineOutput(msgspec.Struct, gc=False):
 
 
 Weights = Mapping[str, object] | Iterable[tuple[str, object]]
-"""Named tensors in the model's checkpoint naming (what `model.state_dict()` yields)."""
+"""Named tensors in the model's checkpoint naming: a mapping (what `model.state_dict()` returns)
+or (name, tensor) pairs. Every engine takes it through `named` once, at its boundary."""
+
+
+def named(weights: Weights) -> list[tuple[str, Any]]:
+    """`weights` as (name, tensor) pairs, whichever of the two forms it came in."""
+    return list(weights.items()) if isinstance(weights, Mapping) else list(weights)
 
 
 class WorkerCall(msgspec.Struct, frozen=True):
@@ -280,5 +286,6 @@ __all__ = [
     "WorkerCall",
     "critical_section",
     "load_callable",
+    "named",
     "spans_to_versions",
 ]

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
-from rollflow.engine import EngineOutput, Load, ManagedEngine, PartialMode, Weights, WorkerCall, load_callable
+from rollflow.engine import EngineOutput, Load, ManagedEngine, PartialMode, Weights, WorkerCall, load_callable, named
 from rollflow.errors import EngineDeadError, WeightSyncError
 from rollflow.records import SamplingSpec
 
@@ -164,7 +164,7 @@ class EnginePool:
     async def update_weights(
         self, weights: Weights, *, partial: PartialMode = "keep", version: int | None = None
     ) -> int:
-        items = list(weights.items() if hasattr(weights, "items") else weights)  # type: ignore[union-attr]
+        items = named(weights)
         new_version = self._version + 1 if version is None else version
         await self._each(lambda m: m.update_weights(items, partial=partial, version=new_version))
         self._version = new_version

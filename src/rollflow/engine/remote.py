@@ -44,6 +44,7 @@ from rollflow.engine import (
     Weights,
     critical_section,
     load_callable,
+    named,
     spans_to_versions,
 )
 from rollflow.errors import EngineDeadError, EngineError, WeightSyncError
@@ -279,8 +280,7 @@ class RemoteEngine:
         hosts weights travel with the gloo transport)."""
         from safetensors.torch import save_file
 
-        items = weights.items() if hasattr(weights, "items") else weights
-        tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in items}  # type: ignore[union-attr]
+        tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in named(weights)}
         shm = Path("/dev/shm")
         with tempfile.TemporaryDirectory(prefix="rollflow-weights-", dir=shm if shm.is_dir() else None) as folder:
             save_file(tensors, Path(folder) / "model.safetensors")

@@ -27,6 +27,7 @@ from rollflow.engine import (
     WorkerCall,
     critical_section,
     load_callable,
+    named,
 )
 from rollflow.errors import EngineDeadError, WeightSyncError
 
@@ -203,8 +204,7 @@ async def _serialised(weights: Weights) -> WorkerCall:
     serialising a whole model takes a while)."""
     from safetensors.torch import save
 
-    items = weights.items() if hasattr(weights, "items") else weights
-    tensors = {name: tensor.detach().contiguous() for name, tensor in items}  # type: ignore[union-attr]
+    tensors = {name: tensor.detach().contiguous() for name, tensor in named(weights)}
     return WorkerCall("rollflow_load_safetensors", (await asyncio.to_thread(save, tensors),))
 
 

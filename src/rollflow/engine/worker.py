@@ -22,8 +22,9 @@ Every source hands the loader views, one bucket at a time, in checkpoint naming:
 
 - safetensors bytes (collective_rpc carries bytes natively; raw tensors would arrive as lists);
 - a folder of safetensors files (the `checkpoint` transport);
-- a shared-memory segment of packed buckets (the `shm` transport);
-- a gloo group with the trainer (the `gloo` transport).
+- a transport's receiving end (`Receiver`, whose class its sender names): views into a
+  shared-memory segment of packed buckets (the `shm` transport), or buckets received over a gloo
+  group with the trainer (the `gloo` transport).
 """
 
 from __future__ import annotations
@@ -31,26 +32,27 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 from rollflow.engine.loading import _DISPATCH, LINEAR_LAYOUT, WeightLoading, _keyed
+from rollflow.imports import load_function
 
 
 class WorkerExtension(WeightLoading):
     """Methods added to vLLM's worker; `self` is the worker (the load paths: `WeightLoading`)."""
 
-    _rollflow_shm: Any = None
-    """The `shm` transport's receiving end (`weight_sync.shm.ShmReceiver`), made at its first load."""
-    _rollflow_gloo: Any = None
-    """The `gloo` transport's receiving end (`weight_sync.gloo.GlooReceiver`), made when it joins."""
+    _rollflow_receivers: dict[str, Receiver] | None = None
+    """The transports' receiving ends, by the `module:Class` their senders name, each made at
+    its first use (`rollflow_open_receiver`, `rollflow_receive`)."""
 
     def rollflow_stage(self, method: str, args: list[Any]) -> Future:
         """Start staging the load `method(*args)` on a thread; the future answers True when it is
         staged (commit it with `rollflow_commit_staged`), False when this load cannot be staged
         (not the `staged` layout, a load from files, or the first load of these names and
         shapes: make it whole), or the error that stopped it. Nothing the forward reads changes."""
-        if not self.rollflow_stages_updates() or method not in STAGEABLE:
+        if not self.rollflow_stages_updates() or not self._rollflow_stageable(method, args):
             if self._rollflow_stager is not None:
                 self._rollflow_stager.stop()  # what an earlier stage left is not this load
             answer: Future = Future()
@@ -68,10 +70,17 @@ class WorkerExtension(WeightLoading):
         self._rollflow_touched = False
         return len(staged.packed)
 
+    def _rollflow_stageable(self, method: str, args: list[Any]) -> bool:
+        """Whether `method(*args)` has all its tensors at hand (bytes read, or a receiver whose
+        views are into memory already written: `Receiver.stageable`)."""
+        if method == "rollflow_receive":
+            return self._rollflow_receiver(args[0]).stageable
+        return method in STAGEABLE
+
     def _rollflow_incoming(self, method: str, args: list[Any]) -> Any:
         """The (name, tensor) pairs a stageable load `method(*args)` would load."""
-        if method == "rollflow_shm_load":
-            return self._rollflow_shm_views(args[0], args[1])[1]
+        if method == "rollflow_receive":
+            return self._rollflow_receiver(args[0]).receive(*args[1:])[1]
         from safetensors.torch import load
 
         return load(args[0]).items()
@@ -136,68 +145,69 @@ class WorkerExtension(WeightLoading):
         self._rollflow_reload(weights(), streamed=True)
         return len(files)
 
-    def rollflow_shm_load(self, name: str, plan: bytes | str) -> int:
-        """Load packed buckets from a shared-memory segment, as views into it. `plan` arrives
-        as base64 text from a remote client (`/collective_rpc` carries JSON).
+    def _rollflow_receiver(self, receiver: str) -> Receiver:
+        """The receiving end `receiver` (`module:Class`) names, made on first use."""
+        if self._rollflow_receivers is None:
+            self._rollflow_receivers = {}
+        if receiver not in self._rollflow_receivers:
+            self._rollflow_receivers[receiver] = load_function(receiver, "receiver")()
+        return self._rollflow_receivers[receiver]
 
-        The receiving end (`weight_sync.shm.ShmReceiver`) keeps the mapping and the views for the
-        next load from the same segment."""
-        total, views = self._rollflow_shm_views(name, plan)
+    def rollflow_open_receiver(self, receiver: str, *args: Any) -> bool:
+        """Make the receiving end `receiver` names afresh and open it with `args` (the gloo
+        transport joins its two-process group there, blocking until the sender is there)."""
+        self.rollflow_close_receiver(receiver)
+        self._rollflow_receiver(receiver).open(*args)
+        return True
+
+    def rollflow_receive(self, receiver: str, *args: Any) -> int:
+        """Receive one full set of weights through `receiver` (`args`: what its sender says of
+        this load), then load it; returns the bytes received."""
+        total, views = self._rollflow_receiver(receiver).receive(*args)
         self._rollflow_reload(iter(views))
         return total
 
-    def _rollflow_shm_views(self, name: str, plan: bytes | str) -> tuple[int, list[tuple[str, Any]]]:
-        if self._rollflow_shm is None:
-            from rollflow.weight_sync.shm import ShmReceiver
-
-            self._rollflow_shm = ShmReceiver()
-        return self._rollflow_shm.views(name, plan, _decode_plan(plan))  # type: ignore[no-any-return]
-
-    def rollflow_gloo_join(self, host: str, port: int, timeout_s: float) -> bool:
-        """Join the two-process gloo weight group as rank 1 (blocks until rank 0 is there)."""
-        from rollflow.weight_sync.gloo import GlooReceiver
-
-        self._rollflow_gloo = GlooReceiver()
-        self._rollflow_gloo.join(host, port, timeout_s)
+    def rollflow_close_receiver(self, receiver: str) -> bool:
+        """Close and forget the receiving end `receiver` names, if one was made."""
+        made = (self._rollflow_receivers or {}).pop(receiver, None)
+        if made is not None:
+            made.close()
         return True
 
-    def rollflow_gloo_receive(self) -> int:
-        """Receive one full set of weights over the gloo group, then load it."""
-        if self._rollflow_gloo is None:
-            raise RuntimeError("rollflow_gloo_receive before rollflow_gloo_join")
-        plan, views = self._rollflow_gloo.receive()
-        self._rollflow_reload(views)
-        return int(plan.total_bytes)
 
-    def rollflow_gloo_leave(self) -> bool:
-        if self._rollflow_gloo is not None:
-            self._rollflow_gloo.leave()
-        self._rollflow_gloo = None
-        return True
+class Receiver(Protocol):
+    """A weight transport's receiving end, inside the worker. Its sender names its class
+    (`module:Class`, made with no arguments) in the calls it makes (`rollflow_open_receiver`,
+    `rollflow_receive`), so this module never imports a transport: the two halves of an update
+    meet here."""
+
+    stageable: bool
+    """Its loads' tensors are all at hand when `receive` returns (views into memory the sender
+    has written), so a load can be staged while the engine generates."""
+
+    def open(self, *args: Any) -> None:
+        """Get ready to receive (join a group); some receivers need nothing."""
+
+    def receive(self, *args: Any) -> tuple[int, Iterable[tuple[str, Any]]]:
+        """(bytes, named tensors) of one load; `args` are its sender's description of it."""
+        ...
+
+    def close(self) -> None: ...
 
 
 LOADS = frozenset(
     {
         "rollflow_load_safetensors",
         "rollflow_load_path",
-        "rollflow_shm_load",
-        "rollflow_gloo_receive",
+        "rollflow_receive",
         "rollflow_commit_staged",
     }
 )
 """The `WorkerExtension` methods that load weights, the ones `rollflow_update` may run."""
 
-STAGEABLE = frozenset({"rollflow_load_safetensors", "rollflow_shm_load"})
-"""The loads `rollflow_stage` can stage: their tensors are all at hand (views, or bytes read)."""
-
-
-def _decode_plan(plan: bytes | str) -> Any:
-    """A `BucketPlan` from its bytes, or their base64 text (what `/collective_rpc` carries)."""
-    import base64
-
-    from rollflow.weight_sync.buckets import BucketPlan
-
-    return BucketPlan.decode(base64.b64decode(plan) if isinstance(plan, str) else plan)
+STAGEABLE = frozenset({"rollflow_load_safetensors"})
+"""The loads `rollflow_stage` can stage besides a stageable receiver's: their tensors are all at
+hand (bytes read)."""
 
 
 def rollflow_update(

@@ -33,6 +33,7 @@ import torch
 
 from rollflow.engine import ManagedEngine, PartialMode, WorkerCall, load_callable
 from rollflow.scratch import scratch_dir
+from rollflow.weight_sync import gloo, shm
 from rollflow.weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, pack_into, plan_buckets
 from rollflow.weight_sync.gloo import GlooSender
 from rollflow.weight_sync.shm import ShmSender
@@ -104,7 +105,7 @@ class GlooTransport:
         sender = GlooSender(self.host, 0, self.timeout_s)
         await asyncio.gather(
             asyncio.to_thread(sender.connect),
-            member.rpc("rollflow_gloo_join", self.host, sender.port, self.timeout_s),
+            member.rpc("rollflow_open_receiver", gloo.RECEIVER, self.host, sender.port, self.timeout_s),
         )
         self._senders[id(member)] = sender
 
@@ -129,7 +130,7 @@ class GlooTransport:
         sender = self._senders[id(member)]
         try:
             await asyncio.gather(
-                asyncio.to_thread(sender.send_packed, plan, self._staged), member.rpc("rollflow_gloo_receive")
+                asyncio.to_thread(sender.send_packed, plan, self._staged), member.rpc("rollflow_receive", gloo.RECEIVER)
             )
         except BaseException:
             self._senders.pop(id(member), None)  # a failed collective leaves the group unusable: rejoin
@@ -161,7 +162,7 @@ class ShmTransport:
         await load_callable(engine, self.worker_call(plan))()
 
     def worker_call(self, plan: BucketPlan) -> WorkerCall:
-        return WorkerCall("rollflow_shm_load", (self._sender.name, plan.encode()))
+        return WorkerCall("rollflow_receive", (shm.RECEIVER, self._sender.name, plan.encode()))
 
     async def aclose(self) -> None:
         self._sender.close()

@@ -6,8 +6,9 @@ the bucket plan (length, then msgpack bytes) and then every bucket. The group's 
 every blocking call, so a dead or stalled peer is an error, never a hang.
 
 Both halves are here: `GlooSender` runs on the trainer side (blocking; `GlooTransport` calls it
-from a thread); `GlooReceiver` (with `receive_buckets`) runs inside vLLM's worker, which
-`rollflow.engine.worker` only calls. This module does not pause the engine or bump versions; the
+from a thread); `GlooReceiver` (with `receive_buckets`) runs inside vLLM's worker, which makes
+it from the name the sender gives (`RECEIVER`) and knows it only as a
+`rollflow.engine.worker.Receiver`. This module does not pause the engine or bump versions; the
 critical section in the engine adapter does.
 """
 
@@ -148,28 +149,37 @@ def receive_buckets(
     return plan, views
 
 
+RECEIVER = f"{__name__}:GlooReceiver"
+"""How the sender names its receiving end to the engine's worker (`rollflow.engine.worker.Receiver`)."""
+
+
 class GlooReceiver:
     """The engine end of the group: joined once, then one `receive` per sync, reusing its
     receive buffers while the shapes stay the same. A failed collective leaves the group
     unusable: the next sync needs a new join."""
 
+    stageable = False
+    """A load arrives while the sender sends it: nothing is at hand before."""
+
     def __init__(self) -> None:
         self._group: dist.ProcessGroup | None = None
         self._buffers: list[torch.Tensor] = []
 
-    def join(self, host: str, port: int, timeout_s: float) -> None:
+    def open(self, host: str, port: int, timeout_s: float) -> None:
         """Join the two-process group as rank 1 (blocks until rank 0 is there)."""
         self._group = join(host, port, 1, timeout_s)
 
-    def receive(self) -> tuple[BucketPlan, Iterator[tuple[str, torch.Tensor]]]:
+    def receive(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+        """(bytes, named views) of one full set of weights."""
         if self._group is None:
             raise RuntimeError("gloo receive before join (or after a failed one)")
         try:
-            return receive_buckets(self._group, self._buffers)
+            plan, views = receive_buckets(self._group, self._buffers)
         except Exception:
             self._group = None
             raise
+        return plan.total_bytes, views
 
-    def leave(self) -> None:
+    def close(self) -> None:
         self._group = None
         self._buffers = []

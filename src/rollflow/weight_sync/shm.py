@@ -3,7 +3,8 @@
 Both halves are here. The trainer side (`ShmSender`, in this process, called by
 `rollflow.weight_sync.ShmTransport`) writes every bucket into one POSIX shared-memory segment
 (created once, reused while the model size is unchanged); the engine side (`ShmReceiver`, in
-vLLM's worker, which `rollflow.engine.worker` only calls) maps the segment and hands the loader
+vLLM's worker, made from the name the sender gives, `RECEIVER`, and known there only as a
+`rollflow.engine.worker.Receiver`) maps the segment and hands the loader
 views into it, so no socket and no extra copy sit between the two. The sender finishes writing
 before the engine is asked to load, so a sender that dies mid-write leaves the engine's weights
 untouched. This module does not pause the engine or bump versions.
@@ -11,6 +12,7 @@ untouched. This module does not pause the engine or bump versions.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gc
 import os
@@ -87,21 +89,33 @@ def read_buckets(segment: _Mapping, plan: BucketPlan) -> Iterator[tuple[str, tor
         yield from unpack(plan, index, memory[starts[index] : starts[index] + size])
 
 
+RECEIVER = f"{__name__}:ShmReceiver"
+"""How the sender names its receiving end to the engine's worker (`rollflow.engine.worker.Receiver`)."""
+
+
 class ShmReceiver:
     """The engine end: named views into the segment of each load. The mapping stays open for the
     next load from the same segment (the sender rewrites it in place between loads), so a load
     neither maps nor unmaps; a segment of another name or size replaces it. The views of the
     last (segment, plan) are kept too (making them costs more than copying a small model)."""
 
+    stageable = True
+    """Its views are into a segment the sender wrote before the load was asked for."""
+
     def __init__(self) -> None:
         self._mapping: tuple[tuple[str, int], _Mapping] | None = None
         self._views: tuple[tuple[str, bytes | str], tuple[int, list[tuple[str, torch.Tensor]]]] | None = None
 
-    def views(self, name: str, plan: bytes | str, decoded: BucketPlan) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """(bytes, named views) of the `BucketPlan` `decoded` (whose encoding is `plan`) laid out
-        in the segment `name`: the same list for the same segment and plan."""
+    def open(self) -> None:
+        """Nothing to open: each load names its segment."""
+
+    def receive(self, name: str, plan: bytes | str) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """(bytes, named views) of the `BucketPlan` encoded in `plan` (or its base64 text, as a
+        remote client's `/collective_rpc` carries it) laid out in the segment `name`: the same
+        list for the same segment and plan."""
         if self._views is not None and self._views[0] == (name, plan):
             return self._views[1]
+        decoded = BucketPlan.decode(base64.b64decode(plan) if isinstance(plan, str) else plan)
         key = (name, max(decoded.total_bytes, 1))
         if self._mapping is None or self._mapping[0] != key:
             self.close()
