@@ -4,7 +4,7 @@ vLLM loads an adapter from a folder, so each version is written to a RAM-backed 
 (`/dev/shm` when present) as `adapter_model.safetensors` + `adapter_config.json`. A request
 keeps the adapter it started with to its end (`use` / `release` count the users), so adapters
 that are neither the newest nor in use can be unloaded (`unused`). `AdapterSync` is the
-adapter-only weight sync of `rollflow.engine.vllm.VLLMEngine` (loading, unloading, versions).
+adapter-only weight sync a `rollflow.engine.vllm.VLLMEngine` holds (loading, unloading, versions).
 """
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rollflow.config import EngineConfig
 from rollflow.engine import PartialMode
+from rollflow.engine.updates import unless_dead
 from rollflow.errors import EngineDeadError, WeightSyncError
 from rollflow.scratch import scratch_dir
+
+if TYPE_CHECKING:
+    from rollflow.engine.vllm import VLLMEngine
 
 
 class Adapters:
@@ -81,20 +83,11 @@ class Adapters:
 
 
 class AdapterSync:
-    """Adapter-only weight sync, mixed into `VLLMEngine` (which provides what is declared here)."""
+    """Adapter-only weight sync of one `VLLMEngine`, which holds it (`engine.adapter_sync`) and
+    whose version, update lock and adapters it reads and advances."""
 
-    adapters: Adapters
-    config: EngineConfig
-    _version: int
-    _live: dict[str, int | None]
-    _update_lock: asyncio.Lock
-    llm: Any
-
-    def _dead(self, err: BaseException, partial: Any = None) -> EngineDeadError:
-        raise NotImplementedError
-
-    async def _unless_dead(self, call: Awaitable[Any], poll_s: float = 0.5) -> Any:
-        raise NotImplementedError
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.engine = engine
 
     async def update_adapter(
         self,
@@ -114,37 +107,34 @@ class AdapterSync:
         """
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
-        if not self.config.max_loras:
+        engine = self.engine
+        if not engine.config.max_loras:
             raise WeightSyncError("adapter sync needs a LoRA-enabled engine: set engine.max_loras > 0")
-        async with self._update_lock:
-            version = self._version + 1 if version is None else version
-            request = await asyncio.to_thread(self.adapters.write, version, tensors, adapter_config)
+        async with engine._update_lock:
+            version = engine._version + 1 if version is None else version
+            request = await asyncio.to_thread(engine.adapters.write, version, tensors, adapter_config)
             try:
-                async with asyncio.timeout(self.config.update_deadline_s):
-                    await self._unless_dead(self.llm.add_lora(request))
+                async with asyncio.timeout(engine.config.update_deadline_s):
+                    await unless_dead(engine.llm, engine.llm.add_lora(request))
             except VLLMDead as err:
-                raise self._dead(err) from err
+                raise engine._dead(err) from err
             except EngineDeadError:
                 raise
             except Exception as err:
                 raise WeightSyncError(f"adapter version {version} failed to load: {err}") from err
-            self.adapters.add(version, request)
-            self._version = version
+            engine.adapters.add(version, request)
+            engine._version = version
             if partial != "keep":
-                for request_id in list(self._live):
-                    await self.llm.abort(request_id)  # not user aborts: they come back as preempted
-        await self.collect_adapters()
+                for request_id in list(engine._live):
+                    await engine.llm.abort(request_id)  # not user aborts: they come back as preempted
+        await self.collect()
         return version
 
-    async def collect_adapters(self) -> None:
+    async def collect(self) -> None:
         """Unload adapters that are neither the newest nor used by an in-flight request."""
-        gone = self.adapters.unused(self._version)
+        engine = self.engine
+        gone = engine.adapters.unused(engine._version)
         for request in gone:
-            await self.llm.remove_lora(request.lora_int_id)
+            await engine.llm.remove_lora(request.lora_int_id)
         if gone:
             await asyncio.to_thread(Adapters.remove, gone)
-
-    @property
-    def loaded_adapters(self) -> list[int]:
-        """Versions of the LoRA adapters currently loaded."""
-        return sorted(self.adapters.loaded)

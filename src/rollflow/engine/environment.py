@@ -5,11 +5,13 @@ CPU platform and its threads when there is no GPU, quiet logs); `prepare_environ
 it to this process for an in-process engine; `engine_args` builds its engine arguments;
 `serve_command` / `serve_environment` start a vLLM server a `RemoteEngine` drives;
 `sampling_params` turns a `SamplingSpec` into
-vLLM's `SamplingParams`. No engine is started here.
+vLLM's `SamplingParams`; `shut_down` ends an in-process engine's processes (once). No engine is
+started here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -211,3 +213,26 @@ def serve_environment(config: EngineConfig) -> dict[str, str]:
     with the RL and developer endpoints on (/pause, /resume, weight labels, /collective_rpc)."""
     own = engine_environment(config)
     return own | dict(os.environ) | {"VLLM_SERVER_DEV_MODE": "1", LINEAR_LAYOUT: own[LINEAR_LAYOUT]}
+
+
+SHUTDOWN_GRACE_S = 30.0
+"""How long the engine core process may take to exit after its shutdown before it is killed.
+Its teardown (freeing the compiled model, interpreter exit) takes 4-6 s on a 2-core CPU, around
+vLLM's default of 5 s, after which it kills the process and prints a warning."""
+
+
+async def shut_down(llm: Any) -> None:
+    """Shut an `AsyncLLM`'s engine down (off the loop), once: vLLM's `AsyncLLM.__del__` shuts it
+    down again, and when the object is collected only as the interpreter exits, that second call
+    finds vLLM's modules half torn down and prints a traceback, so it is made a no-op."""
+    await asyncio.to_thread(llm.shutdown, SHUTDOWN_GRACE_S)
+    llm.shutdown = lambda *args, **kwargs: None
+
+
+async def shut_down_when_built(building: asyncio.Future[Any]) -> None:
+    """Shut down the engine a start that timed out is still building, once it is built."""
+    try:
+        llm = await building
+    except Exception:  # the late start failed: nothing was left running
+        return
+    await shut_down(llm)

@@ -1,4 +1,4 @@
-"""The weight-update critical section of the vLLM backend, mixed into `VLLMEngine`.
+"""The weight-update critical section of the vLLM backend, held by `VLLMEngine` (`engine.full`).
 
 `update_weights_with` runs a load between two model steps: as one engine-core call that loads,
 labels the new version and resets the prefix cache (`rollflow_update` in `engine.worker`; with
@@ -15,12 +15,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 
-from rollflow.config import EngineConfig
 from rollflow.engine import (
     Load,
-    ManagedEngine,
     PartialMode,
     Stage,
     Weights,
@@ -29,45 +27,24 @@ from rollflow.engine import (
     load_callable,
     named,
 )
-from rollflow.errors import EngineDeadError, WeightSyncError
+from rollflow.errors import WeightSyncError
+
+if TYPE_CHECKING:
+    from rollflow.engine.vllm import VLLMEngine
 
 log = logging.getLogger(__name__)
 
 
 class FullUpdates:
-    """Whole-model weight updates, mixed into `VLLMEngine` (which provides what is declared here)."""
+    """Whole-model weight updates of one `VLLMEngine`, which holds it (`engine.full`) and whose
+    version, update lock and flags it reads and advances."""
 
-    config: EngineConfig
-    model_path: str
-    _version: int
-    _update_lock: asyncio.Lock
-    _llm: Any
-    llm: Any
-    one_call_updates: bool
-    stages_updates: bool
-    reset_prefix_cache_on_update: bool
-    last_update_s: dict[str, float]
-
-    @property
-    def managed(self) -> ManagedEngine:
-        """This engine as the contract sees it (the class that mixes this in honours it)."""
-        return cast(ManagedEngine, self)
-
-    def _dead(self, err: BaseException, partial: Any = None) -> EngineDeadError:
-        raise NotImplementedError
-
-    async def _take_out_of_service(self, reason: str) -> EngineDeadError:
-        raise NotImplementedError
-
-    async def pause(self, *, keep: bool = True) -> None:
-        raise NotImplementedError
-
-    async def resume(self) -> None:
-        raise NotImplementedError
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.engine = engine
 
     async def load_weights(self, weights: Weights) -> None:
         """Load named tensors into the (paused) engine. Prefer `update_weights`."""
-        await load_callable(self.managed, await _serialised(weights))()
+        await load_callable(self.engine, await _serialised(weights))()
 
     async def update_weights(
         self, weights: Weights, *, partial: PartialMode = "keep", version: int | None = None
@@ -97,72 +74,88 @@ class FullUpdates:
         """
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
-        llm = self.llm
-        keep = partial == "keep"
-        # Mandatory prefix-cache reset: else prompts longer than a block reuse KV from old weights.
-        # In keep mode, running requests' KV is also recomputed under the new ones.
-        recompute = keep and not self.config.keep_kv_on_update
-        deadline = deadline_s if deadline_s is not None else self.config.update_deadline_s
-
-        def guarded(run: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[object]]:
-            return lambda: self._unless_dead(run())
-
-        async with self._update_lock:
-            new_version = self._version + 1 if version is None else version
+        engine, llm = self.engine, self.engine.llm
+        deadline = deadline_s if deadline_s is not None else engine.config.update_deadline_s
+        async with engine._update_lock:
+            new_version = engine._version + 1 if version is None else version
             timings: dict[str, float] = {}
             parts: dict[str, float] = {}
-            call = load if isinstance(load, WorkerCall) and self.one_call_updates else None
+            call = load if isinstance(load, WorkerCall) and engine.one_call_updates else None
             one_call = call is not None
-            if call is not None and self.stages_updates:
-                began = time.perf_counter()
-                if await self._stage(call, deadline):
-                    call = WorkerCall("rollflow_commit_staged")
-                    parts["stage"] = time.perf_counter() - began
             if call is not None:
-
-                async def update() -> None:
-                    args = (call.method, list(call.args), str(new_version), not keep)
-                    answer = llm.engine_core.call_utility_async(
-                        "rollflow_update", *args, self.reset_prefix_cache_on_update, recompute
-                    )
-                    parts.update(await self._unless_dead(answer))
-
-                stages: list[Stage] = [("update", update)]
+                stages = await self._one_call(call, new_version, partial, deadline, parts)
             else:
-                stages = [
-                    ("pause", guarded(lambda: self.pause(keep=keep))),
-                    ("load", guarded(load_callable(self.managed, load))),
-                    ("label", guarded(lambda: llm.update_weight_version(str(new_version)))),
-                ]
-                if self.reset_prefix_cache_on_update:
-
-                    async def reset() -> None:
-                        if not await self._unless_dead(llm.reset_prefix_cache(reset_running_requests=recompute)):
-                            raise WeightSyncError("vLLM could not reset the prefix cache (it returned False)")
-
-                    stages.append(("reset prefix cache", reset))
+                stages = self._in_stages(load, new_version, partial)
 
             async def intact() -> bool:
-                return all(await self._unless_dead(llm.collective_rpc("rollflow_weights_intact")))
+                return all(await unless_dead(llm, llm.collective_rpc("rollflow_weights_intact")))
 
             await critical_section(
-                f"vLLM engine for {self.model_path}",
-                self._version,
+                f"vLLM engine for {engine.model_path}",
+                engine._version,
                 stages,
                 deadline_s=deadline,
-                resume=_never_paused if one_call else self.resume,
-                can_resume=lambda: self._llm is not None and not llm.errored,
-                dead=lambda err: self._dead(err) if isinstance(err, VLLMDead) else None,
+                resume=_never_paused if one_call else engine.resume,
+                can_resume=lambda: engine._llm is not None and not llm.errored,
+                dead=lambda err: engine._dead(err) if isinstance(err, VLLMDead) else None,
                 intact=intact,
-                lose=self._take_out_of_service,
+                lose=engine._take_out_of_service,
                 timings=timings,
                 load_stage="update" if one_call else "load",
             )
             if one_call:
                 timings.pop("resume", None)
-            self._version = new_version
-            self.last_update_s = timings | parts
-        return self._version
+            engine._version = new_version
+            engine.last_update_s = timings | parts
+        return engine._version
+
+    def _recompute(self, partial: PartialMode) -> bool:
+        """Whether running requests' KV is computed again under the new weights. The prefix-cache
+        reset itself is mandatory: else prompts longer than a block reuse KV from old weights."""
+        return partial == "keep" and not self.engine.config.keep_kv_on_update
+
+    async def _one_call(
+        self, call: WorkerCall, new_version: int, partial: PartialMode, deadline_s: float, parts: dict[str, float]
+    ) -> list[Stage]:
+        """The update as one engine-core call (`rollflow_update`), staged first when the engine
+        stages updates; `parts` gets the seconds of each part of it."""
+        engine = self.engine
+        if engine.stages_updates:
+            began = time.perf_counter()
+            if await self._stage(call, deadline_s):
+                call = WorkerCall("rollflow_commit_staged")
+                parts["stage"] = time.perf_counter() - began
+        recompute, llm = self._recompute(partial), engine.llm
+
+        async def update() -> None:
+            args = (call.method, list(call.args), str(new_version), partial != "keep")
+            answer = llm.engine_core.call_utility_async(
+                "rollflow_update", *args, engine.reset_prefix_cache_on_update, recompute
+            )
+            parts.update(await unless_dead(llm, answer))
+
+        return [("update", update)]
+
+    def _in_stages(self, load: Load, new_version: int, partial: PartialMode) -> list[Stage]:
+        """pause -> load -> label -> reset the prefix cache, each a call of its own."""
+        engine, llm, recompute = self.engine, self.engine.llm, self._recompute(partial)
+
+        def guarded(run: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[object]]:
+            return lambda: unless_dead(llm, run())
+
+        stages: list[Stage] = [
+            ("pause", guarded(lambda: engine.pause(keep=partial == "keep"))),
+            ("load", guarded(load_callable(engine, load))),
+            ("label", guarded(lambda: llm.update_weight_version(str(new_version)))),
+        ]
+        if engine.reset_prefix_cache_on_update:
+
+            async def reset() -> None:
+                if not await unless_dead(llm, llm.reset_prefix_cache(reset_running_requests=recompute)):
+                    raise WeightSyncError("vLLM could not reset the prefix cache (it returned False)")
+
+            stages.append(("reset prefix cache", reset))
+        return stages
 
     async def _stage(self, call: WorkerCall, deadline_s: float) -> bool:
         """Stage the load `call` in the engine process while it keeps generating; False: it was
@@ -171,32 +164,34 @@ class FullUpdates:
         A stage changes nothing the model's forward reads, so failing here costs only time."""
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
-        answer = self.llm.engine_core.call_utility_async("rollflow_stage", call.method, list(call.args))
+        llm = self.engine.llm
+        answer = llm.engine_core.call_utility_async("rollflow_stage", call.method, list(call.args))
         try:
-            return bool(await asyncio.wait_for(self._unless_dead(answer), deadline_s))
+            return bool(await asyncio.wait_for(unless_dead(llm, answer), deadline_s))
         except VLLMDead as err:
-            raise self._dead(err) from err
+            raise self.engine._dead(err) from err
         except Exception as err:
             log.warning("staging the weight update failed, loading it whole instead: %r", err)
             return False
 
-    async def _unless_dead(self, call: Awaitable[Any], poll_s: float = 0.5) -> Any:
-        """Await `call`, but raise vLLM's dead-engine error as soon as the engine is known dead
-        (a call to a dead engine process can wait forever for its answer)."""
-        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
 
-        task = asyncio.ensure_future(call)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=poll_s)
-                if done:
-                    return task.result()
-                if self.llm.errored:
-                    raise VLLMDead()
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+async def unless_dead(llm: Any, call: Awaitable[Any], poll_s: float = 0.5) -> Any:
+    """Await `call`, but raise vLLM's dead-engine error as soon as `llm` (an `AsyncLLM`) is known
+    dead (a call to a dead engine process can wait forever for its answer)."""
+    from vllm.v1.engine.exceptions import EngineDeadError as VLLMDead
+
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if llm.errored:
+                raise VLLMDead()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def _serialised(weights: Weights) -> WorkerCall:

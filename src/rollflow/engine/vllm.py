@@ -38,7 +38,10 @@ from typing import Any
 from rollflow.config import EngineConfig
 from rollflow.engine import (
     EngineOutput,
+    Load,
     ManagedEngine,
+    PartialMode,
+    Weights,
     spans_to_versions,
 )
 from rollflow.engine.adapters import Adapters, AdapterSync
@@ -48,6 +51,8 @@ from rollflow.engine.environment import (
     prepare_environment,
     resolve_context,
     sampling_params,
+    shut_down,
+    shut_down_when_built,
 )
 from rollflow.engine.updates import FullUpdates
 from rollflow.errors import EngineDeadError, EngineError, RequestRefused
@@ -56,7 +61,7 @@ from rollflow.records import SamplingSpec
 log = logging.getLogger(__name__)
 
 
-class VLLMEngine(FullUpdates, AdapterSync):
+class VLLMEngine:
     """rollflow's `Engine` over vLLM's `AsyncLLM`, in this process's event loop."""
 
     def __init__(
@@ -93,10 +98,49 @@ class VLLMEngine(FullUpdates, AdapterSync):
         """Whether a `WorkerCall` load runs as one engine-core call (found out at start)."""
         self.stages_updates = False
         """Whether such a load is staged first while the engine generates (`staged` layout)."""
+        self.full = FullUpdates(self)
+        """Whole-model weight updates (the critical section)."""
+        self.adapter_sync = AdapterSync(self)
+        """Adapter-only weight sync (LoRA)."""
 
     @property
     def version(self) -> int:
         return self._version
+
+    async def load_weights(self, weights: Weights) -> None:
+        """Load named tensors into the (paused) engine. Prefer `update_weights`."""
+        await self.full.load_weights(weights)
+
+    async def update_weights(
+        self, weights: Weights, *, partial: PartialMode = "keep", version: int | None = None
+    ) -> int:
+        return await self.full.update_weights(weights, partial=partial, version=version)
+
+    async def update_weights_with(
+        self, load: Load, *, partial: PartialMode = "keep", deadline_s: float | None = None, version: int | None = None
+    ) -> int:
+        """The weight-update critical section around `load` (`FullUpdates.update_weights_with`)."""
+        return await self.full.update_weights_with(load, partial=partial, deadline_s=deadline_s, version=version)
+
+    async def update_adapter(
+        self,
+        tensors: dict[str, Any],
+        adapter_config: dict[str, Any],
+        *,
+        partial: PartialMode = "keep",
+        version: int | None = None,
+    ) -> int:
+        """Load a LoRA adapter as the next version (`AdapterSync.update_adapter`); returns it."""
+        return await self.adapter_sync.update_adapter(tensors, adapter_config, partial=partial, version=version)
+
+    async def collect_adapters(self) -> None:
+        """Unload adapters that are neither the newest nor used by an in-flight request."""
+        await self.adapter_sync.collect()
+
+    @property
+    def loaded_adapters(self) -> list[int]:
+        """Versions of the LoRA adapters currently loaded."""
+        return sorted(self.adapters.loaded)
 
     @property
     def num_live(self) -> int:
@@ -120,7 +164,7 @@ class VLLMEngine(FullUpdates, AdapterSync):
             self._llm = await asyncio.wait_for(asyncio.shield(building), timeout=self.config.start_timeout_s)
         except TimeoutError:
             # The thread cannot be stopped: shut the engine down when it is built (`aclose` waits).
-            self._late_start = asyncio.create_task(_shut_down_when_built(building), name="vllm-late-start-shutdown")
+            self._late_start = asyncio.create_task(shut_down_when_built(building), name="vllm-late-start-shutdown")
             raise EngineError(
                 f"vLLM engine for {self.model_path} did not start within {self.config.start_timeout_s:.0f} s "
                 "(engine.start_timeout_s)"
@@ -337,28 +381,5 @@ class VLLMEngine(FullUpdates, AdapterSync):
         if handler is not None and not handler.done():
             handler.cancel()
             await asyncio.gather(handler, return_exceptions=True)
-        await asyncio.to_thread(llm.shutdown, SHUTDOWN_GRACE_S)
-        _shut_down_once(llm)
+        await shut_down(llm)
         self.adapters.close()
-
-
-async def _shut_down_when_built(building: asyncio.Future[Any]) -> None:
-    try:
-        llm = await building
-    except Exception:  # the late start failed: nothing was left running
-        return
-    await asyncio.to_thread(llm.shutdown, SHUTDOWN_GRACE_S)
-    _shut_down_once(llm)
-
-
-SHUTDOWN_GRACE_S = 30.0
-"""How long the engine core process may take to exit after its shutdown before it is killed.
-Its teardown (freeing the compiled model, interpreter exit) takes 4-6 s on a 2-core CPU, around
-vLLM's default of 5 s, after which it kills the process and prints a warning."""
-
-
-def _shut_down_once(llm: Any) -> None:
-    """vLLM's `AsyncLLM.__del__` shuts the engine down again; when the object is collected only
-    as the interpreter exits, that second call finds vLLM's modules half torn down and prints a
-    traceback. The engine is shut down already, so the second call is made a no-op."""
-    llm.shutdown = lambda *args, **kwargs: None
