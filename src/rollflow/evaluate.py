@@ -141,7 +141,7 @@ async def evaluate(
             on_sample(sample)
         return sample
 
-    async def group(prompt: Prompt) -> tuple[Prompt, list[str], list[Sample], list[Scored]] | None:
+    async def group(prompt: Prompt) -> Graded | None:
         try:
             samples = await asyncio.gather(*(one(prompt, i) for i in range(samples_per_prompt)))
         except RequestRefused as err:  # this prompt's, as in training
@@ -161,17 +161,21 @@ async def evaluate(
 
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(group(p), name=f"eval-{p.id}") for p in prompts]
-    wall = time.monotonic() - began
+    results = [done for task in tasks if (done := task.result()) is not None]
+    return _report(results, time.monotonic() - began, num_examples, dropped)
+
+
+Graded = tuple[Prompt, list[str], list[Sample], list[Scored]]
+"""One prompt's evaluation: its completions' texts, samples and scores."""
+
+
+def _report(results: list[Graded], wall_s: float, num_examples: int, dropped: dict[str, int]) -> EvalReport:
     rewards: dict[str, list[float]] = {}
     examples: list[tuple[str, str, float]] = []
     reasons: dict[str, int] = {}
     versions: set[int] = set()
     tokens = 0
-    for task in tasks:
-        done = task.result()
-        if done is None:
-            continue
-        prompt, texts, samples, scored = done
+    for prompt, texts, samples, scored in results:
         for text, sample, result in zip(texts, samples, scored, strict=True):
             reward = 0.0 if result.reward is None else result.reward
             if result.reason is not None:
@@ -189,7 +193,7 @@ async def evaluate(
         accuracy=sum(flat) / len(flat) if flat else 0.0,
         pass_at_group=sum(max(rs) > 0 for rs in rewards.values()) / len(rewards) if rewards else 0.0,
         tokens=tokens,
-        wall_s=wall,
+        wall_s=wall_s,
         examples=examples,
         unscorable=sum(reasons.values()),
         reasons=reasons,

@@ -133,23 +133,8 @@ def stop_on_signals(
     the process's exit hooks (the run's status.json records why, its sockets and folders go)."""
     count = 0
 
-    def now(reason: str) -> None:
-        print(f"\n{reason}; exiting now (status 130)", file=sys.stderr)
-        from rollflow.rundir import exiting
-
-        exiting(reason)
-        atexit._run_exitfuncs()  # remove the run's sockets and folders, as a normal exit does
-        sys.stderr.flush()
-        os._exit(130)
-
     def after(seconds: float, reason: str, unless: threading.Event | None = None) -> None:
-        def fire() -> None:
-            if unless is None or not unless.is_set():
-                now(reason)
-
-        timer = threading.Timer(seconds, fire)
-        timer.daemon = True
-        timer.start()
+        _later(seconds, lambda: None if unless is not None and unless.is_set() else _exit_now(reason))
 
     def cancel_now(why: str) -> None:
         print(f"\n{why}; stopping now", file=sys.stderr)
@@ -183,16 +168,32 @@ def stop_on_signals(
                 if count == 1:  # a second signal has cancelled it already
                     cancel_now(f"the run did not stop within {stop_s:g} s of {name}")
 
-            timer = threading.Timer(stop_s, overdue)
-            timer.daemon = True
-            timer.start()
+            _later(stop_s, overdue)
         elif count == 2:
             cancel_now(name)
         else:
-            now(f"{name} a third time")
+            _exit_now(f"{name} a third time")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+
+
+def _exit_now(reason: str) -> None:
+    """Exit with 130 at once, the run's status saying `reason` (from a signal handler or a timer)."""
+    print(f"\n{reason}; exiting now (status 130)", file=sys.stderr)
+    from rollflow.rundir import exiting
+
+    exiting(reason)
+    atexit._run_exitfuncs()  # remove the run's sockets and folders, as a normal exit does
+    sys.stderr.flush()
+    os._exit(130)
+
+
+def _later(seconds: float, action: Callable[[], object]) -> None:
+    """Run `action` on a daemon timer thread `seconds` from now (it never holds the exit)."""
+    timer = threading.Timer(seconds, action)
+    timer.daemon = True
+    timer.start()
 
 
 class _NoWaitExecutor(ThreadPoolExecutor):

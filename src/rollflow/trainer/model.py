@@ -213,26 +213,8 @@ class Trainer(TrainerState):
             micro = [samples[j] for j in mine[i]]
             t = pad(micro, self.device, self.config.layout)
             logprobs, entropy = self._logprobs(self.module, t, sampling)
-            # A token outside the trainer's top-k / top-p support (near-ties off-policy) has
-            # log-prob -inf: it leaves the loss and is counted, instead of turning it into NaN.
-            # Environment tokens (mask 0) were never sampled and are often outside it too.
-            finite = torch.isfinite(logprobs)
-            old = t["old"]
-            if old is not None:  # outside the support before this step's first update
-                finite &= torch.isfinite(old)
-                old = torch.where(torch.isfinite(old), old, torch.zeros_like(old))
-            outside = float((t["mask"] * ~finite).sum())
-            if not bool(finite.all()):
-                t["mask"] = t["mask"] * finite
-                logprobs = torch.where(finite, logprobs, torch.zeros_like(logprobs))
-            ref = None
-            if self.spec.kl_coef > 0:
-                with torch.no_grad():
-                    if self.reference is not None:
-                        ref, _ = self._logprobs(self.reference, t, sampling)
-                    else:  # LoRA: the reference is the base model, adapters off
-                        with self.lm.disable_adapter():  # type: ignore[operator]
-                            ref, _ = self._logprobs(self.module, t, sampling)
+            logprobs, old, outside = _in_support(t, logprobs)
+            ref = self._reference_logprobs(t, sampling) if self.spec.kl_coef > 0 else None
             loss, m = policy_loss(
                 logprobs, t["behaviour"], t["token_adv"], t["mask"], self.spec,
                 proximal_logprobs=old, ref_logprobs=ref, divisor=divisor,
@@ -260,6 +242,14 @@ class Trainer(TrainerState):
                 high[0] = max(high.item(), m["ratio_max"].item())
             self.micro_batches.append((began, time.monotonic(), len(micro), int(n)))
         return sums, low, high
+
+    @torch.no_grad()
+    def _reference_logprobs(self, t: dict[str, Any], sampling: tuple[float, int, float]) -> torch.Tensor:
+        """The reference policy's log-probs of the micro-batch `t` (for the KL penalty)."""
+        if self.reference is not None:
+            return self._logprobs(self.reference, t, sampling)[0]
+        with self.lm.disable_adapter():  # type: ignore[operator]  # LoRA: the base model, adapters off
+            return self._logprobs(self.module, t, sampling)[0]
 
     @torch.no_grad()
     def score(self, samples: list[TrainSample]) -> list[list[float]]:
@@ -336,3 +326,20 @@ def with_lora(lm: nn.Module, config: LoRAConfig) -> nn.Module:
 def loss_spec(config: LossConfig) -> LossSpec:
     """The loss settings of `config` (`LossSpec`'s fields are `LossConfig`'s of the same names)."""
     return LossSpec(**{name: getattr(config, name) for name in LossSpec.__struct_fields__})
+
+
+def _in_support(t: dict[str, Any], logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """(log-probs, pre-step log-probs, tokens left out): a token outside the trainer's top-k /
+    top-p support (near-ties off-policy) has log-prob -inf, so it leaves the loss (`t["mask"]`
+    is cut) and is counted, instead of turning the loss into NaN. Environment tokens (mask 0)
+    were never sampled and are often outside it too."""
+    finite = torch.isfinite(logprobs)
+    old = t["old"]
+    if old is not None:  # outside the support before this step's first update
+        finite &= torch.isfinite(old)
+        old = torch.where(torch.isfinite(old), old, torch.zeros_like(old))
+    outside = float((t["mask"] * ~finite).sum())
+    if not bool(finite.all()):
+        t["mask"] = t["mask"] * finite
+        logprobs = torch.where(finite, logprobs, torch.zeros_like(logprobs))
+    return logprobs, old, outside
