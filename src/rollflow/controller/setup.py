@@ -99,7 +99,7 @@ def prepare(
         config = msgspec.structs.replace(config, env=episodes.settings)  # type: ignore[arg-type]
     rewards = make_rewards(config.scoring, config.run.reward, reward_funcs, env=episodes is not None, task=task)
     scorer = Scorer(rewards, max_concurrency=config.scoring.max_concurrency)
-    return Plan(config=config, task=task, episodes=episodes, scorer=scorer, eval_scorer=eval_scorer(config))
+    return Plan(config=config, task=task, episodes=episodes, scorer=scorer, eval_scorer=eval_scorer(config, task))
 
 
 @dataclass

@@ -347,7 +347,8 @@ def _check_steps(value: Any, length: int) -> tuple[list[tuple[int, float]], str 
     return pairs, None
 
 
-def eval_scorer(config: Any) -> Scorer:
-    """The scorer of held-out evaluation: `run.reward` alone, for the prompts of `data.task`."""
-    reward = builtin_reward(config.run.reward, parse_task(config.data))
+def eval_scorer(config: Any, task: Task | None = None) -> Scorer:
+    """The scorer of held-out evaluation: `run.reward` alone, for the prompts of `data.task`
+    (`task`: it parsed already)."""
+    reward = builtin_reward(config.run.reward, task or parse_task(config.data))
     return Scorer([reward], max_concurrency=config.scoring.max_concurrency)
