@@ -124,6 +124,8 @@ class _Tally:
         self.budget_ends: dict[str, int] = {}
         self.all_lags: list[int] = []
         self.sample_lags: list[int] = []
+        self.in_flight: list[int] = []
+        self.in_queue: list[int] = []
         self.withheld = self.loss_lag_max = self.overlong = self.splits = self.off_policy = 0
 
     def scored(self, sample: Sample, reward_name: str) -> bool:
@@ -142,6 +144,10 @@ class _Tally:
         for name, value in sample.env_metrics.items():
             self.measured.setdefault(name, []).append(value)
         self.splits += len(sample.segments)
+        if sample.done_version is not None and sample.versions:
+            # The sample's lag by cause: the policy moved while it generated, then it waited.
+            self.in_flight.append(max(0, sample.done_version - min(sample.versions)))
+            self.in_queue.append(max(0, self.step - sample.done_version))
         if sample.teacher_logprobs is not None:
             self.kl_terms += [b - t for b, t in zip(sample.logprobs, sample.teacher_logprobs, strict=True)]
         return True
@@ -177,6 +183,8 @@ class _Tally:
             "lag_hist": histogram(all_lags),
             "sample_lag_max": max(self.sample_lags, default=0),
             "sample_lag_hist": histogram(self.sample_lags),
+            "lag_in_flight_hist": histogram(self.in_flight),
+            "lag_in_queue_hist": histogram(self.in_queue),
             "withheld_tokens": self.withheld,
             "withheld_by_reason": {f"lag > {self.max_lag}": self.withheld} if self.withheld else {},
             "loss_lag_max": self.loss_lag_max,

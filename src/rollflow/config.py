@@ -59,7 +59,8 @@ class EngineConfig(_Section, frozen=True):
     """Most sequences the engine decodes at once."""
 
     seed: int = 0
-    """Engine sampling seed."""
+    """The run's sampling seed: the engine's, and with the prompt, group and sample index each
+    request's own (`rollflow.rollout.request_seed`), so a sample draws the same numbers on any engine."""
 
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     """Which log-probs the engine reports: `processed_logprobs` are those of the distribution

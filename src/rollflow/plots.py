@@ -5,7 +5,8 @@ and writes PNGs with matplotlib (Agg backend, no display needed):
 
 - `timeline.png`: engine generating vs trainer stepping vs the engine's weight loads over
   wall time, the picture of the overlap (and of a synchronous run's idle gaps);
-- `reward.png`, `staleness.png` (token lag histogram over the run), `throughput.png`;
+- `reward.png`, `staleness.png` (token lag histogram over the run), `staleness_by_cause.png`
+  (sample lag in flight beside sample lag in the queue), `throughput.png`;
 - with several runs, `timeline_compare.png`: their timelines stacked on one time axis.
 
 `report` prints a short table. This module only reads runs; it never changes them.
@@ -14,6 +15,7 @@ and writes PNGs with matplotlib (Agg backend, no display needed):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -203,14 +205,7 @@ def _plot_one(plt: Any, run: dict[str, Any], target: Path) -> list[Path]:
         ax.set_title("held-out evaluation during training", fontsize=10, loc="left")
         save(fig, "eval.png")
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    hist = lag_histogram(metrics)
-    total = sum(hist.values()) or 1
-    ax.bar([str(k) for k in hist], [v / total for v in hist.values()], color="#4c72b0")
-    ax.set_xlabel("token lag (versions behind the trained policy)")
-    ax.set_ylabel("share of tokens")
-    ax.set_title("staleness over the run", fontsize=10, loc="left")
-    save(fig, "staleness.png")
+    _staleness(plt, metrics, save)
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [m["gen_tokens_per_s"] for m in metrics], marker="o", ms=3, label="generated tokens/s")
@@ -223,11 +218,39 @@ def _plot_one(plt: Any, run: dict[str, Any], target: Path) -> list[Path]:
     return written
 
 
-def lag_histogram(metrics: list[dict[str, Any]]) -> dict[int, int]:
-    """Token lag counts summed over all steps."""
+def _staleness(plt: Any, metrics: list[dict[str, Any]], save: Callable[[Any, str], None]) -> None:
+    """staleness.png (token lag over the run) and staleness_by_cause.png (sample lag in flight
+    beside sample lag in the queue)."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    hist = lag_histogram(metrics)
+    total = sum(hist.values()) or 1
+    ax.bar([str(k) for k in hist], [v / total for v in hist.values()], color="#4c72b0")
+    ax.set_xlabel("token lag (versions behind the trained policy)")
+    ax.set_ylabel("share of tokens")
+    ax.set_title("staleness over the run", fontsize=10, loc="left")
+    save(fig, "staleness.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    causes = {"in flight": "lag_in_flight_hist", "in the queue": "lag_in_queue_hist"}
+    lags = sorted({lag for key in causes.values() for lag in lag_histogram(metrics, key)})
+    for shift, (label, key) in zip((-0.2, 0.2), causes.items(), strict=True):
+        by_cause = lag_histogram(metrics, key)
+        total = sum(by_cause.values()) or 1
+        ax.bar([lag + shift for lag in lags], [by_cause.get(lag, 0) / total for lag in lags], width=0.4, label=label)
+    ax.set_xticks(lags)
+    ax.set_xlabel("sample lag by cause (versions)")
+    ax.set_ylabel("share of samples")
+    ax.legend()
+    ax.set_title("staleness by cause: generating vs waiting for the trainer", fontsize=10, loc="left")
+    save(fig, "staleness_by_cause.png")
+
+
+def lag_histogram(metrics: list[dict[str, Any]], key: str = "lag_hist") -> dict[int, int]:
+    """Lag counts summed over all steps: tokens' (`lag_hist`), or samples' by cause
+    (`lag_in_flight_hist`, `lag_in_queue_hist`)."""
     hist: dict[int, int] = {}
     for m in metrics:
-        for lag, count in m.get("lag_hist", {}).items():
+        for lag, count in m.get(key, {}).items():
             hist[int(lag)] = hist.get(int(lag), 0) + count
     return dict(sorted(hist.items()))
 
@@ -264,6 +287,8 @@ def report(directory: str | Path) -> str:
         ("engine idle", f"{sum(m.get('engine_idle_frac', 0.0) for m in steady) / n:.1%}"),
         ("generated tokens/s", f"{sum(m['gen_tokens_per_s'] for m in steady) / n:.0f}"),
         ("token lag", "  ".join(f"{lag}: {count / total:.1%}" for lag, count in hist.items()) or "-"),
+        ("sample lag in flight", _shares(lag_histogram(metrics, "lag_in_flight_hist"))),
+        ("sample lag in queue", _shares(lag_histogram(metrics, "lag_in_queue_hist"))),
         ("withheld tokens", str(sum(m["withheld_tokens"] for m in metrics))),
         ("unscorable samples", str(sum(m["unscorable"] for m in metrics))),
         (
@@ -284,3 +309,9 @@ def report(directory: str | Path) -> str:
         rows.append(("held-out accuracy", f"after step {curve}"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _shares(hist: dict[int, int]) -> str:
+    """`lag: share` for each lag of a histogram, or `-` when it is empty."""
+    total = sum(hist.values()) or 1
+    return "  ".join(f"{lag}: {count / total:.1%}" for lag, count in hist.items()) or "-"

@@ -101,6 +101,11 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The episode budget that refused a call or cut a turn short: `turns` (`env.max_turns`), `tokens`
     (`env.max_tokens` or the context), `model_tokens` (`env.max_model_tokens`) or `time`
     (`env.time_budget_s`); None when none did. Counted per step in `budget_ends`."""
+    done_version: int | None = None
+    """The engine's version when the sample's generation ended (None: not recorded). It splits the
+    sample's lag in two: in flight (this minus its oldest token's version: the policy moved while
+    it generated) and in the queue (the consuming step minus this: it waited, finished, for the
+    trainer). Counted per step in `lag_in_flight_hist` and `lag_in_queue_hist`."""
     made_by: str | None = None
     """The policy that made its tokens when not the run's (a recorded episode played back): its
     versions are those it was adopted under (`EpisodeContext.adopted`), its log-probs that

@@ -19,6 +19,7 @@ request and re-raises. Scoring and grouping happen elsewhere.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import msgspec
 
@@ -93,6 +94,19 @@ async def _stream_once(engine: Engine, request_id: str, token_ids: list[int], sa
     raise EngineError(f"request {request_id}: stream ended without a finish reason")
 
 
+def request_seed(run_seed: int, prompt_id: str, group_id: str, index: int) -> int:
+    """The sampling seed of sample `index` of group `group_id` (prompt `prompt_id`) in a run seeded
+    `run_seed`: a hash of the four, so every sample of a group draws its own random numbers
+    whichever engine decodes it, an engine restarted with the same seed never repeats another
+    sample's draws, and a resumed run draws what it would have drawn."""
+    digest = hashlib.blake2b(f"{run_seed}\x00{prompt_id}\x00{group_id}\x00{index}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big") & SEED_MASK
+
+
+SEED_MASK = (1 << 31) - 1
+"""Seeds stay below 2**31: every engine takes them (vLLM's server validates a 32-bit int)."""
+
+
 async def rollout(
     engine: Engine,
     prompt: Prompt,
@@ -160,7 +174,9 @@ async def rollout(
         break
     mask = [1] * len(tokens)
     completion = Sequence(opening=prompt.token_ids, tokens=tokens, logprobs=logprobs, versions=versions, mask=mask)
-    recording = Recording(last=completion, finish_reason=finish_reason, interruptions=interruptions)
+    recording = Recording(
+        last=completion, finish_reason=finish_reason, interruptions=interruptions, done_version=engine.version
+    )
     sample = sample_of(prompt, recording, group_id=group_id, index=index, sampling=sampling)
     progress.saved = PartialSample(done=sample)
     return sample

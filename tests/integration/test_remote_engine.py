@@ -16,7 +16,8 @@ import pytest
 from rollflow.config import EngineConfig, load_config
 from rollflow.controller import Controller
 from rollflow.engine.remote import RemoteEngine
-from rollflow.records import SamplingSpec
+from rollflow.records import Prompt, SamplingSpec
+from rollflow.rollout import request_seed
 from rollflow.testing import greedy_tokens, unused_port
 
 pytestmark = pytest.mark.integration
@@ -216,6 +217,21 @@ async def test_weights_reach_every_server_of_a_pool_over_gloo(server, second_ser
         async with RemoteEngine(url, CONFIG) as check:
             assert (await check.generate(PROMPT, spec, "gloo-check")).token_ids == want, url
             await check.update_weights(model_a.state_dict())
+
+
+@pytest.mark.timeout(300)
+async def test_a_group_decoded_on_two_servers_draws_as_on_one(server, second_server):
+    """Runs before the second server is killed. With the seed each sample carries
+    (`request_seed`, which the producer gives every request), sample i of a group is the same
+    tokens whichever server decodes it, and no two samples of the group repeat each other's draws."""
+    prompt = Prompt(id="arithmetic-0-7", token_ids=PROMPT)
+    specs = [SamplingSpec(temperature=1.0, max_tokens=16, ignore_eos=True, seed=request_seed(0, prompt.id, "g0", i))
+             for i in range(4)]  # fmt: skip
+    async with RemoteEngine(server, CONFIG) as a, RemoteEngine(second_server.url, CONFIG) as b:
+        on_a = [await a.generate(PROMPT, spec, f"a-{i}") for i, spec in enumerate(specs)]
+        on_b = await asyncio.gather(*(b.generate(PROMPT, spec, f"b-{i}") for i, spec in enumerate(specs)))
+    assert [o.token_ids for o in on_a] == [o.token_ids for o in on_b]  # in turn on one, at once on the other
+    assert len({tuple(o.token_ids) for o in on_a}) == len(specs)
 
 
 @pytest.mark.timeout(900)

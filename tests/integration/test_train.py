@@ -99,9 +99,9 @@ def test_plot_and_report_of_real_runs(async_run, sync_run, tmp_path):
     _, sync_out = sync_run
     assert main(["plot", str(sync_out), str(out), "--out", str(tmp_path)]) == 0
     pngs = sorted(tmp_path.rglob("*.png"))
-    assert {p.name for p in pngs} == {"timeline.png", "reward.png", "staleness.png", "throughput.png",
-                                      "timeline_compare.png"}
-    assert len(pngs) == 9
+    assert {p.name for p in pngs} == {"timeline.png", "reward.png", "staleness.png", "staleness_by_cause.png",
+                                      "throughput.png", "timeline_compare.png"}
+    assert len(pngs) == 11
     for png in pngs:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000, png
     from rollflow.plots import report

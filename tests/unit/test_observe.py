@@ -214,10 +214,12 @@ async def test_fake_run_trace_plot_and_report(tmp_path, run_fake):
         intervals.sort()
         assert all(a[1] <= b[0] for a, b in itertools.pairwise(intervals))
     paths = plot([tmp_path / "run"])
-    assert {p.name for p in paths} == {"timeline.png", "reward.png", "staleness.png", "throughput.png"}
+    assert {p.name for p in paths} == {"timeline.png", "reward.png", "staleness.png", "staleness_by_cause.png",
+                                       "throughput.png"}
     assert all(p.read_bytes().startswith(PNG) and p.stat().st_size > 5_000 for p in paths)
     text = report(tmp_path / "run")
     assert "steps               4 (max_lag 1)" in text or "4 (max_lag 1)" in text
+    assert re.search(r"sample lag in flight +0: \d", text) and re.search(r"sample lag in queue +\d: \d", text)
     assert f"{result.trained_prompts} trained" in text and "0 duplicates" in text
 
 
@@ -258,3 +260,22 @@ async def test_a_blocked_loop_is_reported_naming_the_code_it_is_stuck_in(caplog)
     await asyncio.gather(task, return_exceptions=True)
     (record,) = [r for r in caplog.records if "event loop has been blocked" in r.getMessage()]
     assert "in reset_that_sleeps" in record.getMessage() and "asyncio.to_thread" in record.getMessage()
+
+
+async def test_a_samples_lag_splits_into_its_time_in_flight_and_in_the_queue(tmp_path, run_fake):
+    """Per step, every trained sample is counted once in each cause, and its two parts add up to
+    its lag: the two histograms' weighted sums are the sample-lag histogram's."""
+    # Generation (12 tokens x 10 ms) slower than a step (20 ms): updates land while samples generate.
+    engine, trainer = FakeEngine(token_delay=0.01), FakeTrainer(step_s=0.02)
+    result, _, _, _ = await run_fake(tmp_path / "run", engine, trainer, max_lag=2, max_steps=6)
+
+    def weighted(hist):
+        return sum(int(lag) * n for lag, n in hist.items())
+
+    for m in result.metrics:
+        flight, queue, sample = m["lag_in_flight_hist"], m["lag_in_queue_hist"], m["sample_lag_hist"]
+        assert sum(flight.values()) == sum(queue.values()) == sum(sample.values()) == m["samples"]
+        assert weighted(flight) + weighted(queue) == weighted(sample)
+    # With room for two steps in flight, some samples waited in the queue and some saw updates while generating.
+    assert any(weighted(m["lag_in_queue_hist"]) for m in result.metrics)
+    assert any(weighted(m["lag_in_flight_hist"]) for m in result.metrics)

@@ -84,3 +84,36 @@ def test_spans_to_versions_checks_coverage():
         spans_to_versions([(3, 0, 2), (4, 3, 5)], 5)
     with pytest.raises(ValueError, match="cover 2 tokens"):
         spans_to_versions([(3, 0, 2)], 5)
+
+
+class SeedRecorder(FakeEngine):
+    """A fake engine that remembers the seed each request asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seeds: dict[str, int | None] = {}
+
+    async def stream(self, request_id, prompt_token_ids, sampling, *, deltas=True):
+        self.seeds[request_id] = sampling.seed
+        async for out in super().stream(request_id, prompt_token_ids, sampling, deltas=deltas):
+            yield out
+
+
+async def test_every_sample_of_a_run_draws_with_its_own_seed_and_a_rerun_with_the_same_ones(tmp_path, run_fake):
+    first, again = SeedRecorder(), SeedRecorder()
+    await run_fake(tmp_path / "a", first, max_steps=3)
+    await run_fake(tmp_path / "b", again, max_steps=3)
+    seeds = [s for s in first.seeds.values()]
+    assert None not in seeds and len(set(seeds)) == len(seeds) == len(first.seeds) >= 3 * 4 * 4
+    assert first.seeds == again.seeds  # a request's seed depends on the run's seed and the sample alone
+    assert all(0 <= s < 2**31 for s in seeds)
+
+
+def test_a_request_seed_names_its_sample_and_the_run_seed():
+    from rollflow.rollout import request_seed
+
+    base = request_seed(0, "arithmetic-0-5", "g3", 1)
+    assert base == request_seed(0, "arithmetic-0-5", "g3", 1)
+    others = {request_seed(1, "arithmetic-0-5", "g3", 1), request_seed(0, "arithmetic-0-6", "g3", 1),
+              request_seed(0, "arithmetic-0-5", "g4", 1), request_seed(0, "arithmetic-0-5", "g3", 2)}  # fmt: skip
+    assert base not in others and len(others) == 4

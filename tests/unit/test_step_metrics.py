@@ -39,6 +39,7 @@ def test_docs_table_matches_the_struct():
 def test_a_row_converts_and_leaves_absent_values_out():
     row = {name: 0 for name in StepMetrics.__struct_fields__ if not name.startswith("teacher_")}
     row |= {"rewards": {}, "env_metrics": {}, "budget_ends": {}, "lag_hist": {}, "sample_lag_hist": {},
+            "lag_in_flight_hist": {}, "lag_in_queue_hist": {},
             "withheld_by_reason": {}, "unscorable_by_reason": {}}
     metrics = msgspec.convert(row, StepMetrics).as_row()
     assert "teacher_kl" not in metrics and metrics["step"] == 0 and metrics["ratio_mean"] == 0.0

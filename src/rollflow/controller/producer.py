@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from rollflow.checkpoint import PendingGroup
 from rollflow.config import Config
 from rollflow.controller.groups import Dropped, InFlight, Scoring, score_group
@@ -25,7 +27,7 @@ from rollflow.controller.setup import Components, Flow
 from rollflow.episodes import EpisodeContext, EpisodeSource
 from rollflow.errors import EngineDeadError, EngineError, UnusablePrompt
 from rollflow.records import Prompt, Sample, SamplingSpec
-from rollflow.rollout import PartialSample, Progress, rollout, unusable
+from rollflow.rollout import PartialSample, Progress, request_seed, rollout, unusable
 from rollflow.scoring import Scorer
 
 
@@ -241,8 +243,13 @@ class Producer:
     async def _stream(
         self, prompt: Prompt, spec: SamplingSpec, group_id: str, index: int, progress: Progress
     ) -> Sample:
-        """One generation, carried over to a new engine (from the tokens it had) if the engine dies."""
+        """One generation, carried over to a new engine (from the tokens it had) if the engine dies.
+        A request without a seed of its own (an agent may give one) gets the sample's
+        (`request_seed`), so its draws do not depend on which engine decodes it."""
         partial = self.config.rollout.partial
+        if spec.seed is None:
+            seed = request_seed(self.config.engine.seed, prompt.id, group_id, index)
+            spec = msgspec.structs.replace(spec, seed=seed)
         return await self.flow.supervisor.persist(
             lambda engine: rollout(
                 engine, prompt, spec, group_id=group_id, index=index, partial=partial, progress=progress
@@ -263,6 +270,8 @@ class Producer:
             return await self._stream(turn_prompt, spec, f"{group_id}/t{n}", index, Progress())
 
         sample = await self.episodes.play(prompt, group_id=group_id, index=index, generate=turn, context=self.context)
+        if sample.done_version is None:
+            sample = msgspec.structs.replace(sample, done_version=self._version())
         progress.saved = PartialSample(done=sample)
         return sample
 

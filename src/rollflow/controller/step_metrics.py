@@ -49,6 +49,14 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     """Largest sample lag (a sample's lag is its oldest token's)."""
     sample_lag_hist: dict[str, int]
     """Lag -> number of samples."""
+    lag_in_flight_hist: dict[str, int] = {}
+    """A sample's lag by cause, in flight: the versions the policy moved while it generated (the
+    engine's version when it ended minus its oldest token's) -> number of samples. Large: generation
+    is slow beside the updates (more engines, shorter completions; docs/tuning.md)."""
+    lag_in_queue_hist: dict[str, int] = {}
+    """A sample's lag by cause, in the queue: the steps it waited, finished, for the trainer (the
+    consuming step minus the engine's version when it ended) -> number of samples. Large: samples
+    wait for a slower trainer (a smaller `run.max_lag` keeps fewer in flight; docs/tuning.md)."""
     withheld_tokens: int
     """Tokens withheld from the loss because their lag exceeds `run.max_lag`."""
     withheld_by_reason: dict[str, int]

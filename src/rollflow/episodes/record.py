@@ -65,6 +65,8 @@ class Recording:
     """The episode budget that refused a call or cut a turn short (`Sample.budget`)."""
     reward_name: str = "env"
     """What its own rewards are reported as (`Sample.env_reward`)."""
+    done_version: int | None = None
+    """The engine's version when it ended (`Sample.done_version`)."""
 
 
 def sample_of(prompt: Prompt, recording: Recording, *, group_id: str, index: int, sampling: SamplingSpec) -> Sample:
@@ -91,6 +93,7 @@ def sample_of(prompt: Prompt, recording: Recording, *, group_id: str, index: int
         segments=[s.segment() for s in recording.closed],
         env_reward=recording.reward_name,
         budget=recording.budget,
+        done_version=recording.done_version,
     )
 
 
