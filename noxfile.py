@@ -52,5 +52,6 @@ def bench(session: nox.Session) -> None:
         "bench/controller_overhead.py",
         "bench/loop_lag.py",
         "bench/simulator_validation.py",
+        "bench/vs_trl.py",  # makes TRL's own environment on first use (bin/dev bench-env trl)
     ):
         session.run(PY, script)
