@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import os
@@ -40,12 +39,12 @@ import time
 from pathlib import Path
 
 import machine
+from overlap import CONTROLLER_CORE, ENGINE_CORE, pin  # the same cores as bench/overlap.py
 
 from rollflow import load_config, train
 from rollflow.models.cache import build_once, cache_root
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINE_CORE, CONTROLLER_CORE = 0, 1
 GROUPS, GROUP_SIZE = 2, 8
 MODELS = {"tiny": {"tokens": 32, "preset": "tiny"}, "smollm2": {"tokens": 128, "preset": "default"}}
 LR = 1e-5
@@ -96,15 +95,6 @@ def questions(config, n: int) -> list[str]:
 
     sampler = iter(Sampler(config.data, lambda messages: [0]))
     return [next(sampler).messages[-1].content for _ in range(n)]
-
-
-def pin(core: int) -> None:
-    """Bind every thread of this process to one core (threads started later inherit it)."""
-    if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
-        return
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(int(tid), {core})
 
 
 def summary(ends: list[float], tokens: list[float]) -> dict[str, float]:

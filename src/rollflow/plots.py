@@ -262,8 +262,6 @@ def report(directory: str | Path) -> str:
     steady = metrics[1:] or metrics
     n = len(steady)
     k = max(1, min(3, len(metrics) // 2))
-    hist = lag_histogram(metrics)
-    total = sum(hist.values()) or 1
     ids = [e["id"] for e in ledger]
     dropped: dict[str, int] = {}
     for e in ledger:
@@ -286,7 +284,7 @@ def report(directory: str | Path) -> str:
         ("trainer idle", f"{sum(m['trainer_idle_frac'] for m in steady) / n:.1%}"),
         ("engine idle", f"{sum(m.get('engine_idle_frac', 0.0) for m in steady) / n:.1%}"),
         ("generated tokens/s", f"{sum(m['gen_tokens_per_s'] for m in steady) / n:.0f}"),
-        ("token lag", "  ".join(f"{lag}: {count / total:.1%}" for lag, count in hist.items()) or "-"),
+        ("token lag", _shares(lag_histogram(metrics))),
         ("sample lag in flight", _shares(lag_histogram(metrics, "lag_in_flight_hist"))),
         ("sample lag in queue", _shares(lag_histogram(metrics, "lag_in_queue_hist"))),
         ("withheld tokens", str(sum(m["withheld_tokens"] for m in metrics))),
