@@ -17,7 +17,12 @@ layout trades one against the other. Then the tiny preset trains synchronously (
 in `packed` and `plain`, and the share of its step wall time that is neither generating nor
 training is measured from its metrics.
 
-Prints a table of median milliseconds and, last, `RESULT update_vs_memcpy_tiny=X
+Each round also makes a checked update, as a training run does (the weight-sync fingerprint,
+`rollflow.engine.fingerprint`), and a second table gives its parts and `cost`: the fingerprint's
+work on the trainer side and the worker's, over the whole unchecked update.
+
+Prints a table of median milliseconds and, last, `RESULT check_cost_frac_tiny=F check_cost_frac_smollm2=G
+update_vs_memcpy_tiny=X
 update_vs_memcpy_smollm2=Y update_vs_memcpy_smollm2_packed=K update_vs_memcpy_smollm2_plain=P
 update_ms_tiny=T engine_core_ms_tiny=C idle_noop_ms_tiny=I sync_overhead_frac=Z sync_update_ms_tiny=U
 sync_step_packed_vs_plain=R` (each model in the layout its preset uses: tiny plain, SmolLM2 staged;
@@ -58,6 +63,12 @@ SYNC_LAYOUTS = ("packed", "plain")
 WINDOW_S = 15.0
 """Seconds of generation counted while the trainer side publishes back to back."""
 PRESET_LAYOUT = {"tiny": "plain"}
+CHECK = ("checked staging", "checked update", "checked core", "trainer side", "worker side")
+"""Each round also makes a checked update (`rollflow.engine.fingerprint`), as a training run does:
+its staging with the fingerprint taken, its update call (the fingerprint travels in it) and its
+engine-core time (the worker's read-back inside), and the fingerprint's work on each side timed
+alone in this process. The check's cost: trainer side + worker side, over an unchecked update
+from end to end (its staging, then the whole publish: with `staged`, the engine's stage too)."""
 """The layout each model's preset uses (others: the default, staged)."""
 
 
@@ -121,6 +132,7 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
     from transformers import AutoModelForCausalLM
 
     from rollflow.config import EngineConfig
+    from rollflow.engine import fingerprint
     from rollflow.engine.vllm import VLLMEngine
     from rollflow.models import resolve_model
     from rollflow.records import Prompt, SamplingSpec
@@ -149,11 +161,14 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
             await rollout(engine, prompt, spec, group_id=f"g{i}-{k}", index=0)
 
     busy = [asyncio.create_task(generating(i)) for i in range(requests)]
-    parts: dict[str, list[float]] = {name: [] for name in (*PARTS, "total")}
+    parts: dict[str, list[float]] = {name: [] for name in (*PARTS, "total", "staging")}
+    checks: dict[str, list[float]] = {name: [] for name in CHECK}
     try:
         await asyncio.sleep(1.0)  # the requests are generating
         for _ in range(rounds + 1):
+            began = time.perf_counter()
             await transport.stage(plan, weights.items())
+            parts["staging"].append(time.perf_counter() - began)
             began = time.perf_counter()
             await engine.llm.get_weight_version()
             noop = time.perf_counter() - began
@@ -165,6 +180,8 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
                 parts[name].append(engine.last_update_s.get(name, 0.0))
             parts["noop call"][-1] = noop
             parts["total"].append(total)
+            await asyncio.sleep(0.2)
+            await checked_update(engine, transport, plan, weights, checks, fingerprint, publish)
             await asyncio.sleep(0.2)
         await cancelled(busy)
         # Generation speed while the trainer side publishes back to back: what updates cost the
@@ -187,12 +204,32 @@ async def updates(model: str, layout: str, rounds: int, requests: int) -> dict[s
             await cancelled(busy)
         await transport.aclose()
         await engine.aclose()
-    out = {name: statistics.median(values[1:]) for name, values in parts.items()}  # the first warms up
+    out = {name: statistics.median(values[1:]) for name, values in (parts | checks).items()}  # the first warms up
     out["bytes"] = float(plan.total_bytes)
     out["tokens/s"] = speed
     out["tokens/s updating"] = speed_updating
     out[IDLE] = statistics.median(idle)
     return out
+
+
+async def checked_update(engine, transport, plan, weights, checks, fingerprint, publish) -> None:
+    """One update as a training run makes it, checked: staged with the trainer side's
+    fingerprint taken as the weights go by, sent with the load, read back by the worker after
+    it. Notes the seconds of each part in `checks`, and of the same check's work on each side
+    here (the worker's share measured on the same tensors)."""
+    watcher = fingerprint.Expectation()  # the engine holds float32, as the trainer
+    began = time.perf_counter()
+    await transport.stage(plan, watcher.watch(weights.items()))
+    checks["checked staging"].append(time.perf_counter() - began)
+    await publish(engine, transport, plan, expect=watcher.fingerprint)
+    checks["checked update"].append(engine.last_update_s.get("update", 0.0))
+    checks["checked core"].append(engine.last_update_s.get("engine core", 0.0))
+    began = time.perf_counter()
+    fingerprint.of(weights.items())
+    checks["trainer side"].append(time.perf_counter() - began)
+    began = time.perf_counter()
+    fingerprint.mismatches(watcher.fingerprint, weights.items())
+    checks["worker side"].append(time.perf_counter() - began)
 
 
 async def synchronous(steps: int, layout: str) -> dict[str, float]:
@@ -251,9 +288,18 @@ async def main(args: argparse.Namespace) -> None:
             + "".join(f"{r[name] * 1e3:>20.2f}" for name in columns)
             + f"{r['update'] / r['memcpy']:>8.1f}{r['tokens/s']:>10.0f}{r['tokens/s updating']:>10.0f}"
         )
+    print("the weight-sync check (rollflow.engine.fingerprint), median ms; cost = its share of an update")
+    print(f"{'model':<24}{'layout':>8}" + "".join(f"{name:>17}" for name in ("staging", "total", *CHECK)) + "    cost")
+    for (model, layout), r in rows.items():
+        cost = (r["trainer side"] + r["worker side"]) / (r["staging"] + r["total"])
+        r["check cost"] = cost
+        shown = "".join(f"{r[name] * 1e3:>17.2f}" for name in ("staging", "total", *CHECK))
+        print(f"{model:<24}{layout:>8}{shown}{cost:>8.3f}")
     parts = []
     for (model, layout), r in rows.items():
         short = model.split("-")[0]
+        if layout == PRESET_LAYOUT.get(model, "staged"):
+            parts.append(f"check_cost_frac_{short}={r['check cost']:.3f}")
         if layout == PRESET_LAYOUT.get(model, "staged"):
             parts.append(f"update_vs_memcpy_{short}={r['update'] / r['memcpy']:.1f}")
         elif model != "tiny":

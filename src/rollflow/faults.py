@@ -15,7 +15,10 @@ the code are:
   written the plain linear weights and not yet packed them (on the stage thread);
 - `checkpoint-write`: the checkpoint's tensors are written, its run state not yet;
 - `checkpoint-saved`: a checkpoint has just been completed;
-- `leader-step`: with several trainer ranks, rank 0 has announced a step, the others are in it.
+- `leader-step`: with several trainer ranks, rank 0 has announced a step, the others are in it;
+- `load-copy` (asked of `skipped`, as `NAME:N:skip`): inside the engine process, a repeated load
+  copied into the model in place (or staged) silently leaves its first tensor out, as a buggy
+  loader or transport would.
 
 This module does not decide where points go; the code that owns each moment calls `point`.
 """
@@ -42,9 +45,22 @@ def point(name: str) -> None:
     if target != name:
         return
     nth, _, how = rest.partition(":")
+    if how == "skip":  # asked of `skipped`, not here
+        return
     _seen[name] = _seen.get(name, 0) + 1
     if _seen[name] != (int(nth) if nth else 1):
         return
     if how == "raise":
         raise InjectedFault(f"injected fault at {name} (time {_seen[name]})")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def skipped(name: str) -> bool:
+    """Whether `ROLLFLOW_FAULT` asks the code here to leave its work undone, silently, this time
+    (`NAME:N:skip`: the N-th time `skipped(NAME)` is asked; `NAME::skip`: the first)."""
+    target, _, rest = os.environ.get(_ENV, "").partition(":")
+    nth, _, how = rest.partition(":")
+    if target != name or how != "skip":
+        return False
+    _seen[name] = _seen.get(name, 0) + 1
+    return _seen[name] == (int(nth) if nth else 1)

@@ -174,3 +174,20 @@ def test_a_killed_engine_process_is_restarted_and_the_run_completes(tmp_path):
     audit(out)
     assert len(run.engines) == 2
     assert_gone(run.engines)  # the replacement was shut down with the run
+
+
+def test_a_weight_update_that_does_not_land_replaces_the_engine_and_the_run_completes(tmp_path):
+    """Inside the engine process the 6th repeated load silently leaves a tensor out (an injected
+    fault). The fingerprint of what the trainer sent catches it, the engine is replaced with one
+    given the trainer's weights, and every step is trained once."""
+    out = tmp_path / "run"
+    run = Run(out, resume=False, fault="load-copy:6:skip")
+    assert run.wait() == 0, run.output
+    said = "".join(line for _, line in run.lines)
+    assert "the weights loaded are not what the trainer sent: 1 of" in said, run.output
+    assert "restarting the engine (1 of" in said and "restarting the engine (2 of" not in said
+    assert steps_done(out) == list(range(STEPS))
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["engine_restarts"] == 1
+    audit(out)
+    assert_gone(run.engines)

@@ -10,12 +10,13 @@ import time
 import pytest
 
 from rollflow.config import EngineConfig
-from rollflow.engine import WorkerCall
+from rollflow.engine import WorkerCall, fingerprint
 from rollflow.engine.vllm import VLLMEngine
 from rollflow.errors import EngineDeadError, EngineError, WeightSyncError
 from rollflow.models import tiny_model_path
 from rollflow.records import SamplingSpec
 from rollflow.testing import engine_processes
+from rollflow.weight_sync import ShmTransport, expecting, plan_for, publish
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -173,4 +174,45 @@ async def test_a_stage_that_fails_is_loaded_whole_and_the_engine_serves_the_new_
         assert "stage" in engine.last_update_s and engine.version == 3
         assert (await engine.generate(PROMPT, GREEDY, "b")).token_ids == model_b.greedy(PROMPT, 12)[0]
     finally:
+        await engine.aclose()
+
+
+@pytest.mark.parametrize(("layout", "way"), [("staged", "shm"), ("plain", "bytes")])
+async def test_a_load_that_silently_leaves_a_tensor_out_fails_its_fingerprint(
+    model_a, model_b, monkeypatch, layout, way
+):
+    """Inside the engine process the second repeated load leaves its first tensor out (an
+    injected fault: a staged load's stage, or a plain load's replayed copies). Checked against the fingerprint
+    of what was sent (with the load in one worker call through shared memory, as a training run
+    sends it, or handed over first for a load of bytes, as a new engine gets the trainer's
+    weights), the update fails naming the tensor, and the engine is taken out of service instead
+    of serving the old tensor under the new label."""
+    monkeypatch.setenv("ROLLFLOW_FAULT", "load-copy:2:skip")
+    engine = await fresh_engine(linear_layout=layout)
+    monkeypatch.delenv("ROLLFLOW_FAULT")
+    transport = ShmTransport()
+    plan = plan_for(model_b.state_dict())
+
+    async def update(state: dict) -> None:
+        if way == "shm":
+            await transport.stage(plan, state.items())
+            await publish(engine, transport, plan, expect=fingerprint.of(state.items()))
+        else:
+            await expecting(engine, fingerprint.of(state.items()), lambda: engine.update_weights(state))
+
+    try:
+        b, a = model_b.state_dict(), model_a.state_dict()
+        await update(b)  # the first load of these names: watched, and checked
+        await update(a)
+        assert (
+            engine.version == 2
+            and (await engine.generate(PROMPT, GREEDY, "a")).token_ids == model_a.greedy(PROMPT, 12)[0]
+        )
+        first = sorted(a)[0]
+        with pytest.raises(EngineDeadError, match=rf"not what the trainer sent: 1 of \d+ tensors differ \({first}: "):
+            await update(b)
+        assert engine.version == 2
+        await assert_serves_nothing(engine)
+    finally:
+        await transport.aclose()
         await engine.aclose()

@@ -279,7 +279,7 @@ class Controller:
         strategy: WeightStrategy = (
             AdapterWeights(parts.runner, cfg.rollout.partial)
             if cfg.trainer.lora.enabled
-            else FullWeights(parts.runner, parts.transport, cfg.rollout.partial)
+            else FullWeights(parts.runner, parts.transport, cfg.rollout.partial, engine_dtype=cfg.model.dtype)
         )
         supervisor = Supervisor(
             parts.engine,

@@ -27,8 +27,10 @@ from rollflow.buffer import Admission
 from rollflow.controller.supervisor import Supervisor
 from rollflow.controller.trainer_thread import TrainerRunner
 from rollflow.engine import ManagedEngine, PartialMode
+from rollflow.engine.fingerprint import Expectation, Fingerprint
+from rollflow.engine.fingerprint import of as fingerprint_of
 from rollflow.trace import Trace
-from rollflow.weight_sync import BucketPlan, WeightTransport, plan_for, publish
+from rollflow.weight_sync import BucketPlan, WeightTransport, expecting, plan_for, publish
 
 
 class WeightStrategy:
@@ -80,29 +82,47 @@ class WeightStrategy:
 
 
 class FullWeights(WeightStrategy):
-    """Every weight through a `WeightTransport` (packed buckets)."""
+    """Every weight through a `WeightTransport` (packed buckets), each load checked: the
+    fingerprint of what was staged (`rollflow.engine.fingerprint`, taken on the trainer thread as
+    the weights go by) travels with the load, and a load copied into the model in place reads it
+    back inside the critical section; a tensor not there fails the load as one that changed the
+    model part-way (the engine is replaced)."""
 
-    def __init__(self, runner: TrainerRunner, transport: WeightTransport, partial: PartialMode) -> None:
+    def __init__(
+        self, runner: TrainerRunner, transport: WeightTransport, partial: PartialMode, *, engine_dtype: str = "float32"
+    ) -> None:
         super().__init__(runner, partial)
+        self.engine_dtype = engine_dtype
+        """The dtype the engine holds its weights in (`model.dtype`): the fingerprint's."""
         self.transport = transport
         self.snapshots = transport.snapshots
         self.plan: BucketPlan = plan_for(runner.backend.weight_specs())
+        self.expected: Fingerprint | None = None
+        """The fingerprint of the last staged update (None: its weights did not all go by)."""
 
     async def connect(self, engine: ManagedEngine) -> None:
         await self.transport.connect(engine)
 
     async def stage(self) -> int:
+        watcher = Expectation(self.engine_dtype)
         # On the trainer thread: with several ranks the gathers are collectives, in order with the steps.
-        return await self.transport.stage(self.plan, self.runner.backend.full_weights(), run=self.runner.call)
+        weights = watcher.watch(self.runner.backend.full_weights())
+        staged = await self.transport.stage(self.plan, weights, run=self.runner.call)
+        self.expected = watcher.fingerprint
+        return staged
 
     async def load(self, engine: ManagedEngine, version: int) -> None:
-        await publish(engine, self.transport, self.plan, partial=self.partial, version=version)
+        await publish(engine, self.transport, self.plan, partial=self.partial, version=version, expect=self.expected)
 
     def read_current(self) -> dict[str, torch.Tensor]:
         return {name: tensor.clone() for name, tensor in self.runner.backend.full_weights()}
 
     async def give(self, engine: ManagedEngine, version: int, weights: dict[str, torch.Tensor]) -> None:
-        await engine.update_weights(weights, version=version)
+        await expecting(
+            engine,
+            fingerprint_of(weights.items(), self.engine_dtype),
+            lambda: engine.update_weights(weights, version=version),
+        )
 
 
 class AdapterWeights(WeightStrategy):

@@ -22,6 +22,8 @@ from typing import Any
 
 from torch.overrides import TorchFunctionMode
 
+from rollflow import faults
+
 LINEAR_LAYOUT = os.environ.get("ROLLFLOW_LINEAR_LAYOUT", "staged")
 """`engine.linear_layout` of the engine this process serves (set before vLLM starts it)."""
 
@@ -47,14 +49,45 @@ class WeightLoading:
     _rollflow_stager: Any = None
     """`staged` layout: the `rollflow.engine.staging.Stager` (plans, stage thread, staged load)."""
 
+    _rollflow_expected: Any = None
+    """The fingerprint the next load must leave in the model (`rollflow_expect`), or None."""
+
+    def rollflow_expect(self, fingerprint: Any) -> bool:
+        """Check the next load against `fingerprint` (`rollflow.engine.fingerprint`, what the
+        trainer sent; None: check nothing). A load copied into the model in place reads the
+        fingerprint's rows back and fails, as a load that changed the model part-way, when a
+        tensor is not there; any other load consumes it unchecked."""
+        self._rollflow_expected = fingerprint
+        return True
+
+    def _rollflow_verify(self, key: Any, copies: list[list[Any]] | None, expected: Any) -> None:
+        """Fail unless the model tensors a load of `key` copied into (`copies`) hold `expected`
+        (nothing to check without either). The model is then neither the old weights nor the new:
+        `rollflow_weights_intact` says so."""
+        if expected is None or copies is None:
+            return
+        from rollflow.engine.fingerprint import mismatches
+
+        planned = list(zip(key, copies, strict=True))
+        held = [(name, target) for (name, _, _), targets in planned for target in targets]
+        wrong = mismatches(expected, held, dropped=[name for (name, _, _), targets in planned if not targets])
+        if wrong:
+            self._rollflow_touched = True
+            count = len(expected["names"])
+            shown = "; ".join(wrong[:3]) + ("; ..." if len(wrong) > 3 else "")
+            raise RuntimeError(
+                f"the weights loaded are not what the trainer sent: {len(wrong)} of {count} tensors differ ({shown})"
+            )
+
     def _rollflow_reload(self, weights, *, streamed: bool = False) -> None:
         """Load `(name, tensor)` pairs into the model. `streamed`: each tensor is read from a
         file as it comes, so the in-place path hands them to the model's loader one at a time
         (holding them all to replay the first load's copies would hold the whole model)."""
         if self._rollflow_stager is not None:
             self._rollflow_stager.stop()
+        expected, self._rollflow_expected = self._rollflow_expected, None  # this load's, checked or not
         if self.rollflow_stages_updates():
-            self._rollflow_load_and_pack(weights, streamed=streamed)
+            self._rollflow_load_and_pack(weights, streamed=streamed, expected=expected)
             return
         self._rollflow_touched = True  # every path changes the model tensor by tensor
         if not self.rollflow_loads_in_place():
@@ -62,10 +95,10 @@ class WeightLoading:
         elif streamed:
             self.model_runner.model.load_weights(weights)  # type: ignore[attr-defined]
         else:
-            self._rollflow_copy_in_place(_keyed(weights))
+            self._rollflow_copy_in_place(_keyed(weights), expected)
         self._rollflow_touched = False
 
-    def _rollflow_load_and_pack(self, weights, *, streamed: bool) -> None:
+    def _rollflow_load_and_pack(self, weights, *, streamed: bool, expected: Any = None) -> None:
         """`staged` layout, a whole load in the critical section: into the plain weights in place,
         then each changed packed layer packed again from its weight."""
         from rollflow.engine.staging import pack, packed_layers, written_layers
@@ -82,7 +115,7 @@ class WeightLoading:
             if stager.refuses(key):
                 raise RuntimeError(_DIRTY)
             self._rollflow_touched = True
-            self._rollflow_copy_in_place((key, items))
+            self._rollflow_copy_in_place((key, items), expected)
             if key in stager.copies:  # the stage plan (and its spare copies) is made on the stage thread
                 layers = written_layers(layers, stager.copies[key])
         for layer in layers:
@@ -114,26 +147,30 @@ class WeightLoading:
         runner = self.model_runner  # type: ignore[attr-defined]
         return layout == LINEAR_LAYOUT and current_platform.is_cpu() and not getattr(runner, "lora_config", None)
 
-    def _rollflow_copy_in_place(self, keyed: tuple[Any, list[tuple[str, Any]]]) -> None:
+    def _rollflow_copy_in_place(self, keyed: tuple[Any, list[tuple[str, Any]]], expected: Any = None) -> None:
         """The model's `load_weights`, once per set of names and shapes, watched; later loads of
         the same set copy each tensor straight to where that load put it (the loader's name
         mapping and checks are Python work that costs more than copying a small model). The
         incoming tensors are held at once: views into memory the source holds anyway (a
-        shared-memory segment, gloo's receive buffers, a safetensors payload already read)."""
+        shared-memory segment, gloo's receive buffers, a safetensors payload already read).
+        `expected`: the fingerprint to check the copies against (`_rollflow_verify`)."""
         key, items = keyed
         if self._rollflow_copies is None:
             self._rollflow_copies = {}
         copies = self._rollflow_copies.get(key)
         if copies is not None:
-            for (_, tensor), targets in zip(items, copies, strict=True):
+            skip = 1 if faults.skipped("load-copy") else 0  # a loader that silently leaves a tensor out
+            for (_, tensor), targets in zip(items[skip:], copies[skip:], strict=True):
                 for target in targets:
                     target.copy_(tensor)
+            self._rollflow_verify(key, copies, expected)
             return
         recorder = CopyRecorder([tensor for _, tensor in items])
         with recorder:
             self.model_runner.model.load_weights(iter(items))  # type: ignore[attr-defined]
         if recorder.replayable:
             self._rollflow_copies[key] = recorder.targets
+            self._rollflow_verify(key, recorder.targets, expected)
 
     def rollflow_loads_in_place(self) -> bool:
         """Whether a load copies into the model's own tensors: the CPU backend with plain linear

@@ -52,6 +52,8 @@ class WorkerExtension(WeightLoading):
         staged (commit it with `rollflow_commit_staged`), False when this load cannot be staged
         (not the `staged` layout, a load from files, or the first load of these names and
         shapes: make it whole), or the error that stopped it. Nothing the forward reads changes."""
+        if method == "rollflow_checked":  # its fingerprint goes to the commit, or the whole load made instead
+            self._rollflow_expected, method, args = args[0], args[1], list(args[2:])
         if not self.rollflow_stages_updates() or not self._rollflow_stageable(method, args):
             if self._rollflow_stager is not None:
                 self._rollflow_stager.stop()  # what an earlier stage left is not this load
@@ -63,12 +65,25 @@ class WorkerExtension(WeightLoading):
     def rollflow_commit_staged(self) -> int:
         """Make the staged load live: copy its spare tensors in, swap the packed layers."""
         stager = self._rollflow_staging()
-        staged = stager.take()
+        key, staged = stager.dirty, stager.take()
+        expected, self._rollflow_expected = self._rollflow_expected, None
         self._rollflow_touched = True
         staged.commit()
         stager.loaded()
+        self._rollflow_verify(key, stager.copies.get(key), expected)
         self._rollflow_touched = False
         return len(staged.packed)
+
+    def rollflow_checked(self, fingerprint: Any, method: str, *args: Any) -> Any:
+        """The load `method(*args)`, checked against `fingerprint` (`rollflow_expect`): one call
+        for both, so a checked update costs no call of its own."""
+        if method not in LOADS or method == "rollflow_checked":
+            raise ValueError(f"rollflow_checked: {method!r} is not a weight load (one of {sorted(LOADS)})")
+        self._rollflow_expected = fingerprint
+        try:
+            return getattr(self, method)(*args)
+        finally:
+            self._rollflow_expected = None
 
     def _rollflow_stageable(self, method: str, args: list[Any]) -> bool:
         """Whether `method(*args)` has all its tensors at hand (bytes read, or a receiver whose
@@ -201,6 +216,7 @@ LOADS = frozenset(
         "rollflow_load_path",
         "rollflow_receive",
         "rollflow_commit_staged",
+        "rollflow_checked",
     }
 )
 """The `WorkerExtension` methods that load weights, the ones `rollflow_update` may run."""

@@ -218,7 +218,10 @@ class FakeEngine:
         """A fake engine lives until a test kills it (see the engine-failure tests)."""
 
     async def rpc(self, method: str, *args: Any) -> list[Any]:
-        """There are no workers: a transport that needs one cannot be used with the fake."""
+        """There are no workers: a transport that needs one cannot be used with the fake, and no
+        load to check against a fingerprint (`rollflow_expect` answers for none)."""
+        if method == "rollflow_expect":
+            return []
         raise WeightSyncError(f"the fake engine has no workers to call {method!r} on; use NullTransport")
 
     def engines(self) -> list[ManagedEngine]:

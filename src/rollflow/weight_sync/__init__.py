@@ -22,6 +22,7 @@ This package does not decide when to sync; the controller does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -31,7 +32,8 @@ from typing import Literal, Protocol
 
 import torch
 
-from rollflow.engine import ManagedEngine, PartialMode, WorkerCall, load_callable
+from rollflow.engine import Load, ManagedEngine, PartialMode, WorkerCall, load_callable
+from rollflow.engine.fingerprint import Fingerprint
 from rollflow.scratch import scratch_dir
 from rollflow.weight_sync import gloo, shm
 from rollflow.weight_sync.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, pack_into, plan_buckets
@@ -256,16 +258,38 @@ async def publish(
     partial: PartialMode = "keep",
     deadline_s: float | None = None,
     version: int | None = None,
+    expect: Fingerprint | None = None,
 ) -> int:
     """Load the weights staged in `transport` inside the engine's critical section; returns the
-    new engine version (`version`: label them with this one instead of the next)."""
+    new engine version (`version`: label them with this one instead of the next). `expect`: the
+    fingerprint of the staged weights (`rollflow.engine.fingerprint`), which the workers check
+    the load against: in the same worker call as the load where the transport loads with one
+    (`rollflow_checked`), else handed over first in the critical section."""
     call = transport.worker_call(plan)
-    return await engine.update_weights_with(
-        call if call is not None else (lambda: transport.load(engine, plan)),
-        partial=partial,
-        deadline_s=deadline_s,
-        version=version,
-    )
+    load: Load
+    if call is not None:
+        load = call if expect is None else WorkerCall("rollflow_checked", (expect, call.method, *call.args))
+    else:
+        load = lambda: expecting(engine, expect, lambda: transport.load(engine, plan))  # noqa: E731
+    return await engine.update_weights_with(load, partial=partial, deadline_s=deadline_s, version=version)
+
+
+async def expecting(
+    engine: ManagedEngine, fingerprint: Fingerprint | None, load: Callable[[], Awaitable[object]]
+) -> None:
+    """Run `load` with `fingerprint` handed to the engine's workers first (`rollflow_expect`), so
+    the load is checked against it; if the load fails short of consuming it, it is withdrawn, so
+    no later load is checked against it."""
+    if fingerprint is None:
+        await load()
+        return
+    await engine.rpc("rollflow_expect", fingerprint)
+    try:
+        await load()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await engine.rpc("rollflow_expect", None)
+        raise
 
 
 __all__ = [
@@ -274,6 +298,7 @@ __all__ = [
     "GlooTransport",
     "ShmTransport",
     "WeightTransport",
+    "expecting",
     "in_thread",
     "make_transport",
     "plan_buckets",
