@@ -43,6 +43,10 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int = 64
     ignore_eos: bool = False
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Stop sequences the engine ends the request at (the token that completes one is the last
+    generated; its text is not cut): an agent's call's `stop`. They do not change the
+    distribution the trainer scores under."""
 
 
 class Segment(msgspec.Struct, frozen=True, kw_only=True, gc=False):

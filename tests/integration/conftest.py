@@ -142,3 +142,31 @@ async def _streaming(
 def streaming():
     """`_streaming`: start a rollout an update is to interrupt."""
     return _streaming
+
+
+@pytest.fixture(scope="session")
+def stop_inside():
+    """`stop_inside(tokens)`: a stop sequence that first appears in the text of the tiny model's
+    `tokens` past their middle, and how many of them it takes for the text to hold it (where an
+    engine that honours it ends the request). The random model writes stray bytes; a sequence
+    whose last token leaves a character incomplete is passed over (vLLM holds such text back
+    until the character is whole, so it would stop a token later)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path(0))
+
+    def find(tokens: list[int]) -> tuple[str, int]:
+        def text(n: int) -> str:
+            return tokenizer.decode(tokens[:n], skip_special_tokens=True)
+
+        whole = text(len(tokens))
+        for at in range(len(text(len(tokens) // 2)), len(whole) - 3):
+            stop = whole[at : at + 3]
+            if "\ufffd" in stop or whole.find(stop) != at:
+                continue
+            n = next(n for n in range(1, len(tokens) + 1) if stop in text(n))
+            if not text(n).endswith("\ufffd") and n < len(tokens):
+                return stop, n
+        raise AssertionError(f"no stop sequence to test with in {whole!r}")
+
+    return find

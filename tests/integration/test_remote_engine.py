@@ -105,6 +105,16 @@ async def test_remote_tokens_logprobs_and_versions_equal_the_in_process_engine(r
 
 
 @pytest.mark.timeout(300)
+async def test_a_stop_sequence_ends_the_request_on_the_server(remote, stop_inside):
+    whole = await remote.generate(PROMPT, SamplingSpec(temperature=0.0, max_tokens=48, ignore_eos=True), "whole")
+    stop, n = stop_inside(whole.token_ids)
+    spec = SamplingSpec(temperature=0.0, max_tokens=48, ignore_eos=True, stop=(stop,))
+    out = await remote.generate(PROMPT, spec, "stopped")
+    assert n < len(whole.token_ids)
+    assert out.token_ids == whole.token_ids[:n] and out.finish_reason == "stop"
+
+
+@pytest.mark.timeout(300)
 async def test_weight_updates_switch_outputs_and_label_every_token(remote, model_a, model_b):
     want_a = model_a.greedy(PROMPT, GREEDY.max_tokens)[0]
     want_b, logp_b = model_b.greedy(PROMPT, GREEDY.max_tokens)

@@ -29,6 +29,16 @@ async def test_greedy_tokens_and_logprobs_match_transformers(engine, model_a):
         assert got == pytest.approx(want, abs=1e-4)
 
 
+async def test_a_stop_sequence_ends_the_request_at_the_token_that_completes_it(engine, stop_inside):
+    whole = await engine.generate(PROMPT, SamplingSpec(temperature=0.0, max_tokens=48, ignore_eos=True), "whole")
+    stop, n = stop_inside(whole.token_ids)
+    assert n < len(whole.token_ids)
+    spec = SamplingSpec(temperature=0.0, max_tokens=48, ignore_eos=True, stop=(stop,))
+    out = await engine.generate(PROMPT, spec, "stopped")
+    assert out.token_ids == whole.token_ids[:n] and out.finish_reason == "stop"  # nothing past it generated
+    assert out.logprobs == pytest.approx(whole.logprobs[:n], abs=1e-5)
+
+
 async def test_abort_ends_one_stream_and_engine_keeps_serving(engine, model_a):
     long = SamplingSpec(temperature=0.0, max_tokens=200, ignore_eos=True)
     first_tokens = asyncio.Event()

@@ -141,6 +141,8 @@ async def test_a_stop_sequence_cuts_the_turn_after_the_token_that_completes_it(c
     agent_server.close(key)
     assert text == "Thought: add them\nAction: calc\n"
     assert ended == ("stop" if dialect == "chat" else ("stop_sequence", "Observation:"))
+    asked = ("Observation:", "Zzz") if dialect == "chat" else ("Zzz", "Observation:")
+    assert [spec.stop for spec in script.specs] == [asked, ("Observation:",)]  # the engine stops there
     sample = ep.sample("g", 0, reward=1.0, failure=None)
     assert sample.segments == [] and sample.turns == 2 and ep.budget is None
     sampled = [*chat.tokens(THOUGHT), chat.tokenizer.eos_token_id]

@@ -160,7 +160,10 @@ class AgentEpisode:
             asked = min(max_tokens or self.sampling.max_tokens, self.sampling.max_tokens)
             if min(asked, left) <= 0:
                 return self._out_of(lane, which)
-            spec = msgspec.structs.replace(self.sampling, max_tokens=min(asked, left), seed=seed)
+            # The engine stops at a stop sequence: no token past it is generated, only to be cut.
+            spec = msgspec.structs.replace(
+                self.sampling, max_tokens=min(asked, left), seed=seed, stop=tuple(stop or ())
+            )
             turn = await self.generate(conv.opening + conv.tokens, spec, lane.calls)
             self._refuse_if_ended()  # the episode ended while its turn was generated: the turn is not its
             n, text, matched = self._cut(turn.completion_token_ids, stop or [])

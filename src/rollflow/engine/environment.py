@@ -143,7 +143,10 @@ def sampling_params(sampling: SamplingSpec, deltas: bool = True) -> Any:
         logprobs=0,  # the sampled token's log-prob only
         # FINAL_ONLY spares the client one Python round trip per token when nobody watches.
         output_kind=RequestOutputKind.DELTA if deltas else RequestOutputKind.FINAL_ONLY,
-        detokenize=False,
+        # vLLM matches stop sequences in the text it detokenizes; without any, no text is made.
+        stop=list(sampling.stop) or None,
+        include_stop_str_in_output=True,
+        detokenize=bool(sampling.stop),
     )
 
 

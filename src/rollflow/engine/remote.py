@@ -177,7 +177,9 @@ class RemoteEngine:
                 "ignore_eos": sampling.ignore_eos,
                 "seed": sampling.seed,
                 "logprobs": 0,  # the sampled token's log-prob only
-                "detokenize": False,
+                "stop": list(sampling.stop),
+                "include_stop_str_in_output": True,
+                "detokenize": bool(sampling.stop),  # vLLM matches stop sequences in its text
             },
             "stream": True,
             # Salt the prefix cache by version: a request never reuses KV computed under older weights.

@@ -24,9 +24,13 @@ class ScriptedTurns:
         """`chat`: a `rollflow.envs.ChatFormat` (its tokenizer turns each text into tokens)."""
         self.chat, self.turns, self.version = chat, list(turns), version
         self.seen: list[list[int]] = []
+        self.specs: list[SamplingSpec] = []
+        """What each turn was asked with (its stop sequences are not honoured here: the turn's
+        whole text comes back, as from an engine that overshot them)."""
 
     async def __call__(self, token_ids: list[int], spec: SamplingSpec, n: int) -> Sample:
         self.seen.append(list(token_ids))
+        self.specs.append(spec)
         ids = [*self.chat.tokens(self.turns.pop(0)), self.chat.tokenizer.eos_token_id]
         finish = "length" if len(ids) > spec.max_tokens else "stop"  # cut at the budget, as an engine does
         ids = ids[: spec.max_tokens]
