@@ -535,6 +535,11 @@ class RunConfig(_Section, frozen=True):
     """How trainer weights reach the engine after every step (`shm`: same host, shared memory;
     `gloo`: a dedicated process group; `checkpoint`: safetensors files; `nccl`: GPU)."""
 
+    weight_delta: bool = True
+    """`gloo` only: after the first full sync with an engine, each sync sends only the elements
+    that changed since the last (indices or a bitmap, and the values; bit-exact). A new or
+    restarted engine gets every byte."""
+
     reward: Literal["verifier", "digits", "math_verify"] = "verifier"
     """`verifier`: the task's answer checker; `math_verify`: math-verify's judgement of the final
     answer against the row's `answer` (needs the `math-verify` extra); `digits`: fraction of digit

@@ -67,6 +67,38 @@ async def test_transport_switches_weights_a_b_a(engine_on_a, model_a, model_b, n
         await transport.aclose()
 
 
+async def test_gloo_sends_only_what_changed_and_the_engine_holds_exactly_it(engine_on_a, model_b):
+    """After the first sync, a sync over gloo carries only the changed elements (here one row of
+    the LM head: the one the first greedy token is drawn from), and the engine's greedy output is
+    that of the changed weights; each load is checked against the trainer side's fingerprint."""
+    from transformers import AutoModelForCausalLM
+
+    from rollflow.engine import fingerprint
+    from rollflow.models import tiny_model_path
+    from rollflow.testing import greedy_tokens
+    from rollflow.weight_sync import publish
+
+    engine, transport = engine_on_a, make_transport("gloo")
+    b = model_b.state_dict()
+    changed = {name: tensor.clone() for name, tensor in b.items()}
+    changed["lm_head.weight"][model_b.greedy(PROMPT, 1)[0][0]] -= 100.0
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path(1), dtype=torch.float32)
+    reference.load_state_dict(changed)
+    plan = plan_for(b)
+    try:
+        sent = []
+        for state in (b, changed):
+            await transport.stage(plan, state.items())
+            await publish(engine, transport, plan, expect=fingerprint.of(state.items()))
+            sent += [sender.last_sent for sender in transport._senders.values()]
+        assert sent[0] == plan.total_bytes
+        width = changed["lm_head.weight"].shape[1]
+        assert sent[1] < 8 * width + 8 * 2 * len(plan.tensors) + 64  # indices, values and the header
+        assert await greedy(engine) == greedy_tokens(reference.eval(), PROMPT, GREEDY.max_tokens)
+    finally:
+        await transport.aclose()
+
+
 async def test_sync_during_a_live_stream_switches_versions_at_the_boundary(
     engine_on_a, model_a, model_b, streaming
 ):

@@ -31,7 +31,7 @@ def slow(port: int, bucket_bytes: int, delay: float, stop_after: int) -> None:
     sender.connect()
     print(f"connected buckets={len(plan.bucket_sizes)}", flush=True)
     encoded = torch.frombuffer(bytearray(plan.encode()), dtype=torch.uint8)
-    _broadcast(sender._group, torch.tensor([encoded.numel()], dtype=torch.int64))
+    _broadcast(sender._group, torch.tensor([encoded.numel(), 0], dtype=torch.int64))  # a full sync
     _broadcast(sender._group, encoded)
     for index, buffer in pack(plan, weights.items()):
         if index == stop_after:

@@ -209,7 +209,8 @@ async def build(plan: Plan, given: Given) -> Components:
         teacher=teacher,
         engine=engine,
         engine_factory=factory,
-        transport=given.transport or make_transport(config.run.weight_transport, host=config.run.weight_sync_host),
+        transport=given.transport
+        or make_transport(config.run.weight_transport, host=config.run.weight_sync_host, delta=config.run.weight_delta),
         config=config,
         policy_base=model_path if given.trainer is None and given.runner is None else None,
         held_out_rows=held_out_rows,

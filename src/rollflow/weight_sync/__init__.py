@@ -89,9 +89,12 @@ class GlooTransport:
     name = "gloo"
     snapshots = True
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 60.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 60.0, *, delta: bool = True) -> None:
         self.host = host
         self.timeout_s = timeout_s
+        self.delta = delta
+        """After the first sync with an engine, send only the elements that changed
+        (`rollflow.weight_sync.delta`); a new or rejoined engine gets every byte."""
         self._senders: dict[int, GlooSender] = {}
         """id(engine) -> the sending end of its group."""
         self._staged = torch.empty(0, dtype=torch.uint8)
@@ -132,7 +135,8 @@ class GlooTransport:
         sender = self._senders[id(member)]
         try:
             await asyncio.gather(
-                asyncio.to_thread(sender.send_packed, plan, self._staged), member.rpc("rollflow_receive", gloo.RECEIVER)
+                asyncio.to_thread(sender.send_packed, plan, self._staged, changes=self.delta),
+                member.rpc("rollflow_receive", gloo.RECEIVER),
             )
         except BaseException:
             self._senders.pop(id(member), None)  # a failed collective leaves the group unusable: rejoin
@@ -209,9 +213,12 @@ class CheckpointTransport:
             shutil.rmtree(self.directory.parent, ignore_errors=True)
 
 
-def make_transport(name: TransportName, *, host: str = "127.0.0.1", timeout_s: float = 60.0) -> WeightTransport:
+def make_transport(
+    name: TransportName, *, host: str = "127.0.0.1", timeout_s: float = 60.0, delta: bool = True
+) -> WeightTransport:
+    """The transport `name`; `delta`: `gloo` sends only what changed after the first sync."""
     if name == "gloo":
-        return GlooTransport(host, timeout_s)
+        return GlooTransport(host, timeout_s, delta=delta)
     if name == "shm":
         return ShmTransport()
     if name == "checkpoint":

@@ -2,8 +2,11 @@
 
 The two ends form their own two-process gloo group (a TCPStore served by the trainer side,
 bound to 127.0.0.1 unless told otherwise), separate from the trainers' group. Each sync sends
-the bucket plan (length, then msgpack bytes) and then every bucket. The group's timeout bounds
-every blocking call, so a dead or stalled peer is an error, never a hang.
+the bucket plan's length and the sync's kind, the plan (msgpack bytes), and then either every
+bucket (`FULL`) or, once both ends hold the previous sync's weights, only what changed since
+(`DELTA`: `rollflow.weight_sync.delta`; the receiver applies it to its receive buffers, which
+hold the previous sync). The group's timeout bounds every blocking call, so a dead or stalled
+peer is an error, never a hang.
 
 Both halves are here: `GlooSender` runs on the trainer side (blocking; `GlooTransport` calls it
 from a thread); `GlooReceiver` (with `receive_buckets`) runs inside vLLM's worker, which makes
@@ -22,10 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rollflow.weight_sync import delta
 from rollflow.weight_sync.buckets import BucketPlan, bucket_starts, pack, unpack
 
 PREFIX = "rollflow-weights"
 """Key prefix in the rendezvous store, so the group cannot collide with others on it."""
+
+FULL, DELTA = 0, 1
+"""The kinds of sync: every bucket, or the changes since the previous sync."""
 
 
 def _options(host: str, timeout_s: float) -> Any:
@@ -74,15 +81,20 @@ class GlooSender:
         )
         self._group: dist.ProcessGroup | None = None
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._base: tuple[BucketPlan, torch.Tensor] | None = None
+        """The plan and packed weights of the last `send_packed` kept for deltas (the receiver's
+        buffers hold the same)."""
+        self.last_sent = 0
+        """Bytes the last send put on the wire (plan and headers aside)."""
 
     def connect(self) -> None:
         """Block until the engine side has joined (it must be asked to join concurrently)."""
         self._group = join(self.host, self.port, 0, self.timeout_s, store=self._store)
 
-    def _send_plan(self, plan: BucketPlan) -> None:
+    def _send_plan(self, plan: BucketPlan, kind: int = FULL) -> None:
         assert self._group is not None
         encoded = torch.frombuffer(bytearray(plan.encode()), dtype=torch.uint8)
-        _broadcast(self._group, torch.tensor([encoded.numel()], dtype=torch.int64))
+        _broadcast(self._group, torch.tensor([encoded.numel(), kind], dtype=torch.int64))
         _broadcast(self._group, encoded)
 
     def send(self, plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -97,16 +109,37 @@ class GlooSender:
         for _, buffer in pack(plan, tensors, self._scratch):
             _broadcast(self._group, buffer)  # complete before the scratch is refilled
             sent += buffer.numel()
+        self._base, self.last_sent = None, sent
         return sent
 
-    def send_packed(self, plan: BucketPlan, memory: torch.Tensor) -> int:
-        """Send weights already packed by `buckets.pack_into` (all buckets back to back)."""
+    def send_packed(self, plan: BucketPlan, memory: torch.Tensor, *, changes: bool = False) -> int:
+        """Send weights already packed by `buckets.pack_into` (all buckets back to back); returns
+        the bytes sent. `changes`: keep a copy of them, and send only what changed since the
+        last such send when there is one of the same plan (the receiver holds it)."""
         if self._group is None:
             raise RuntimeError("GlooSender.send_packed before connect()")
-        self._send_plan(plan)
-        for start, size in zip(bucket_starts(plan), plan.bucket_sizes, strict=True):
-            _broadcast(self._group, memory[start : start + size])
-        return plan.total_bytes
+        memory = memory[: plan.total_bytes]
+        if changes and self._base is not None and self._base[0] == plan:
+            modes, payload = delta.encode(plan, memory, self._base[1])
+            self._send_plan(plan, DELTA)
+            header = torch.tensor([payload.numel(), *modes], dtype=torch.int64)
+            _broadcast(self._group, torch.tensor([header.numel()], dtype=torch.int64))
+            _broadcast(self._group, header)
+            _broadcast(self._group, payload)
+            self.last_sent = header.numel() * 8 + payload.numel()
+        else:
+            self._send_plan(plan)
+            for start, size in zip(bucket_starts(plan), plan.bucket_sizes, strict=True):
+                _broadcast(self._group, memory[start : start + size])
+            self.last_sent = plan.total_bytes
+        if not changes:
+            self._base = None
+        elif self._base is None or self._base[1].numel() != memory.numel():
+            self._base = (plan, memory.clone())
+        else:
+            self._base[1].copy_(memory)
+            self._base = (plan, self._base[1])
+        return self.last_sent
 
     def send_per_tensor(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Unpacked baseline for benchmarks: one broadcast per tensor."""
@@ -129,22 +162,35 @@ def receive_buckets(
 ) -> tuple[BucketPlan, Iterator[tuple[str, torch.Tensor]]]:
     """The engine end of one sync: the plan, and named views into the received buckets.
 
-    Every bucket is received before the first view is handed out, so a transfer that fails
-    (peer died, timeout) never touches the model: the engine keeps its old weights. The price
-    is one model-sized receive buffer on the engine host; pass the previous sync's `buffers`
-    (a list, refilled in place) to reuse it.
+    Every bucket (or a delta's whole payload) is received before the first view is handed out,
+    so a transfer that fails (peer died, timeout) never touches the model: the engine keeps its
+    old weights. The price is one model-sized receive buffer on the engine host; pass the
+    previous sync's `buffers` (a list, refilled in place) to reuse it. A delta is applied to
+    them, so they must hold the previous sync (a receiver without them refuses it).
     """
-    size = torch.zeros(1, dtype=torch.int64)
-    _broadcast(group, size)
-    encoded = torch.empty(int(size.item()), dtype=torch.uint8)
+    head = torch.zeros(2, dtype=torch.int64)
+    _broadcast(group, head)
+    size, kind = (int(v) for v in head)
+    encoded = torch.empty(size, dtype=torch.uint8)
     _broadcast(group, encoded)
     plan = BucketPlan.decode(encoded.numpy().tobytes())
     if buffers is None:
         buffers = []
-    if [b.numel() for b in buffers] != plan.bucket_sizes:
-        buffers[:] = [torch.empty(size, dtype=torch.uint8) for size in plan.bucket_sizes]
-    for buffer in buffers:
-        _broadcast(group, buffer)
+    if kind == DELTA:
+        if [b.numel() for b in buffers] != plan.bucket_sizes:
+            raise RuntimeError("a delta of weights arrived, but this receiver holds no earlier weights of its plan")
+        length = torch.zeros(1, dtype=torch.int64)
+        _broadcast(group, length)
+        header = torch.empty(int(length.item()), dtype=torch.int64)
+        _broadcast(group, header)
+        payload = torch.empty(int(header[0]), dtype=torch.uint8)
+        _broadcast(group, payload)
+        delta.apply(plan, buffers, header[1:].tolist(), payload)
+    else:
+        if [b.numel() for b in buffers] != plan.bucket_sizes:
+            buffers[:] = [torch.empty(size, dtype=torch.uint8) for size in plan.bucket_sizes]
+        for buffer in buffers:
+            _broadcast(group, buffer)
     views = (view for index, buffer in enumerate(buffers) for view in unpack(plan, index, buffer))
     return plan, views
 
