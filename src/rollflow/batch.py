@@ -110,6 +110,15 @@ def _kl_baseline(group: Group) -> float:
     return sum(gaps) / len(gaps) if gaps else 0.0
 
 
+def mixes_versions(sample: Sample) -> bool:
+    """Whether the model's tokens of `sample` (its split-off sequences' too) came from more than
+    one policy version: a weight update landed while it generated, between two turns or within one."""
+    made = {v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m}
+    for part in sample.segments:
+        made |= {v for v, m in zip(part.versions, part.loss_mask, strict=True) if m}
+    return len(made) > 1
+
+
 class _Tally:
     """What a batch's metrics count, sample by sample (`stats` reports them)."""
 
@@ -126,13 +135,14 @@ class _Tally:
         self.sample_lags: list[int] = []
         self.in_flight: list[int] = []
         self.in_queue: list[int] = []
-        self.withheld = self.loss_lag_max = self.overlong = self.splits = self.off_policy = 0
+        self.withheld = self.loss_lag_max = self.overlong = self.splits = self.off_policy = self.mixed = 0
 
     def scored(self, sample: Sample, reward_name: str) -> bool:
         """Count the sample; False when it is unscorable (it stays out of the batch)."""
         if sample.budget is not None:
             self.budget_ends[sample.budget] = self.budget_ends.get(sample.budget, 0) + 1
         self.off_policy += sample.made_by is not None
+        self.mixed += mixes_versions(sample)
         if sample.reward is None:
             reason = sample.unscorable or "unknown"
             self.unscorable[reason] = self.unscorable.get(reason, 0) + 1
@@ -193,6 +203,7 @@ class _Tally:
             "overlong_filtered": self.overlong,
             "agent_splits": self.splits,
             "off_policy_samples": self.off_policy,
+            "mixed_version_samples": self.mixed,
         }
         if self.kl_terms:
             stats["teacher_kl"] = sum(self.kl_terms) / len(self.kl_terms)

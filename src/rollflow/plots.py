@@ -288,6 +288,7 @@ def report(directory: str | Path) -> str:
         ("sample lag in flight", _shares(lag_histogram(metrics, "lag_in_flight_hist"))),
         ("sample lag in queue", _shares(lag_histogram(metrics, "lag_in_queue_hist"))),
         ("withheld tokens", str(sum(m["withheld_tokens"] for m in metrics))),
+        ("samples mixing versions", str(sum(m.get("mixed_version_samples", 0) for m in metrics))),
         ("unscorable samples", str(sum(m["unscorable"] for m in metrics))),
         (
             "weight sync",

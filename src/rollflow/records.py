@@ -47,6 +47,10 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Stop sequences the engine ends the request at (the token that completes one is the last
     generated; its text is not cut): an agent's call's `stop`. They do not change the
     distribution the trainer scores under."""
+    on_version: int | None = None
+    """LoRA runs: the adapter version to generate with, when the engine still holds it (an
+    episode's later turns ask for the one its first turn used); None, or one no longer held:
+    the newest."""
 
 
 class Segment(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -220,6 +220,9 @@ async def test_fake_run_trace_plot_and_report(tmp_path, run_fake):
     text = report(tmp_path / "run")
     assert "steps               4 (max_lag 1)" in text or "4 (max_lag 1)" in text
     assert re.search(r"sample lag in flight +0: \d", text) and re.search(r"sample lag in queue +\d: \d", text)
+    # In `keep` mode an update lands mid-request: the fake engine's samples mix versions, as real ones do.
+    mixed = sum(m["mixed_version_samples"] for m in result.metrics)
+    assert mixed > 0 and re.search(rf"samples mixing versions +{mixed}\n", text)
     assert f"{result.trained_prompts} trained" in text and "0 duplicates" in text
 
 

@@ -265,9 +265,16 @@ class Producer:
         if done is not None and not self.episodes.replay_on_resume:
             return done
 
+        first: list[int] = []  # the version of the episode's first model token: its later turns ask for it
+
         async def turn(token_ids: list[int], spec: SamplingSpec, n: int) -> Sample:
             turn_prompt = Prompt(id=prompt.id, token_ids=token_ids)
-            return await self._stream(turn_prompt, spec, f"{group_id}/t{n}", index, Progress())
+            if first:
+                spec = msgspec.structs.replace(spec, on_version=first[0])
+            made = await self._stream(turn_prompt, spec, f"{group_id}/t{n}", index, Progress())
+            if not first and made.versions:
+                first.append(made.versions[0])
+            return made
 
         sample = await self.episodes.play(prompt, group_id=group_id, index=index, generate=turn, context=self.context)
         if sample.done_version is None:

@@ -75,6 +75,10 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     off_policy_samples: int = 0
     """Samples of the batch's groups whose tokens another policy made (`Sample.made_by`: a recorded episode
     played back), unscorable ones included."""
+    mixed_version_samples: int = 0
+    """Samples of the batch's groups whose model tokens came from more than one policy version (an
+    update landed while one generated: within a turn in `keep` mode, or between an episode's turns),
+    unscorable ones included."""
     teacher_kl: float | None = None
     """On-policy distillation: mean of behaviour minus teacher log-prob over the batch's tokens."""
     teacher_gap_abs_max: float | None = None

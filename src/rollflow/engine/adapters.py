@@ -3,7 +3,8 @@
 vLLM loads an adapter from a folder, so each version is written to a RAM-backed folder
 (`/dev/shm` when present) as `adapter_model.safetensors` + `adapter_config.json`. A request
 keeps the adapter it started with to its end (`use` / `release` count the users), so adapters
-that are neither the newest nor in use can be unloaded (`unused`). `AdapterSync` is the
+that are neither among the newest few nor in use can be unloaded (`unused`: an episode's
+later turns may ask for the version its first turn used). `AdapterSync` is the
 adapter-only weight sync a `rollflow.engine.vllm.VLLMEngine` holds (loading, unloading, versions).
 """
 
@@ -60,12 +61,12 @@ class Adapters:
     def release(self, version: int) -> None:
         self._users[version] -= 1
 
-    def unused(self, newest: int) -> list[Any]:
-        """Forget the adapters neither `newest` nor used by a request; returns their requests
-        (for the engine to unload, then `remove` their folders)."""
+    def unused(self, newest: int, keep: int = 1) -> list[Any]:
+        """Forget the adapters neither among the `keep` newest versions nor used by a request;
+        returns their requests (for the engine to unload, then `remove` their folders)."""
         gone = []
         for version, request in list(self.loaded.items()):
-            if version != newest and self._users.get(version, 0) == 0:
+            if version <= newest - keep and self._users.get(version, 0) == 0:
                 del self.loaded[version]
                 self._users.pop(version, None)
                 gone.append(request)
@@ -130,10 +131,23 @@ class AdapterSync:
         await self.collect()
         return version
 
-    async def collect(self) -> None:
-        """Unload adapters that are neither the newest nor used by an in-flight request."""
+    @property
+    def keep(self) -> int:
+        """How many of the newest versions stay loaded: `engine.max_loras - 1` (an episode's later
+        turns may ask for the version its first turn used: `SamplingSpec.on_version`), one slot
+        left free for the next."""
+        return max(1, self.engine.config.max_loras - 1)
+
+    def holds(self, version: int | None) -> bool:
+        """Whether a new request can still generate with adapter `version`: it is loaded, or it
+        is 0 (the base model, which needs no adapter) and still among the `keep` newest."""
         engine = self.engine
-        gone = engine.adapters.unused(engine._version)
+        return version in engine.adapters.loaded or (version == 0 and engine._version < self.keep)
+
+    async def collect(self) -> None:
+        """Unload adapters that are neither among the `keep` newest nor used by an in-flight request."""
+        engine = self.engine
+        gone = engine.adapters.unused(engine._version, keep=self.keep)
         for request in gone:
             await engine.llm.remove_lora(request.lora_int_id)
         if gone:

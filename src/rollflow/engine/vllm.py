@@ -240,8 +240,10 @@ class VLLMEngine:
         # salted by version: a request never reuses KV computed under older weights.
         prompt = tokens_input(prompt_token_ids, cache_salt=f"v{self._version}" if self.salt_prefix_cache else None)
         # With adapter-only sync a request keeps the adapter it started with to the end, so all
-        # its tokens carry that adapter's version.
+        # its tokens carry that adapter's version: the newest, or the one asked for if still held.
         adapter_version = self._version if self.adapters.loaded else None
+        if adapter_version is not None and self.adapter_sync.holds(sampling.on_version):
+            adapter_version = sampling.on_version
         lora = self.adapters.use(adapter_version) if adapter_version is not None else None
         self._live[request_id] = adapter_version
         produced = 0
