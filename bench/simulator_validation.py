@@ -51,7 +51,8 @@ from rollflow.sim.calibrate import (
     summary,
     trainer_profile,
 )
-from rollflow.sim.components import EngineProfile, LengthModel, TrainerProfile
+from rollflow.sim.components import EngineProfile, TrainerProfile
+from rollflow.sim.lengths import LengthModel
 from rollflow.trainer.batches import model_tokens
 
 BATCHES = (1, 2, 4, 8, 16, 24, 32)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from rollflow.sim import Scenario, simulate
-from rollflow.sim.components import LengthModel
+from rollflow.sim.lengths import LengthModel
 from rollflow.sim.profiles import engine_profile, trainer_profile
 
 

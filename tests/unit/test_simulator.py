@@ -18,7 +18,8 @@ from rollflow.controller import Controller
 from rollflow.controller.setup import Given
 from rollflow.records import SamplingSpec
 from rollflow.sim import Scenario, simulate
-from rollflow.sim.components import EngineProfile, LengthModel, SimEngine, SimTrainer, SimTransport, TrainerProfile
+from rollflow.sim.components import EngineProfile, SimEngine, SimTrainer, SimTransport, TrainerProfile
+from rollflow.sim.lengths import LengthModel
 from rollflow.sim.loop import run_virtual
 from rollflow.testing import FakeEngine, FakeTokenizer
 

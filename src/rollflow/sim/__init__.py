@@ -22,7 +22,8 @@ from rollflow.config import load_config
 from rollflow.controller import Controller
 from rollflow.controller.setup import Given
 from rollflow.plots import lag_histogram
-from rollflow.sim.components import EngineProfile, LengthModel, SimEngine, SimTrainer, SimTransport, TrainerProfile
+from rollflow.sim.components import EngineProfile, SimEngine, SimTrainer, SimTransport, TrainerProfile
+from rollflow.sim.lengths import LengthModel
 from rollflow.sim.loop import run_virtual
 from rollflow.testing import FakeTokenizer
 

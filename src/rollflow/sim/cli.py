@@ -9,7 +9,7 @@ from pathlib import Path
 from rollflow.errors import UserInputError
 from rollflow.sim import SWEEPABLE, Scenario, SimResult, simulate, varied
 from rollflow.sim.calibrate import PLANNING, Calibration
-from rollflow.sim.components import LengthModel
+from rollflow.sim.lengths import LengthModel
 from rollflow.sim.profiles import engine_profile, trainer_profile
 
 HEADER = (
