@@ -21,6 +21,7 @@ from rollflow.sim import Scenario, simulate
 from rollflow.sim.components import EngineProfile, SimEngine, SimTrainer, SimTransport, TrainerProfile
 from rollflow.sim.lengths import LengthModel
 from rollflow.sim.loop import run_virtual
+from rollflow.sim.profiles import engine_profile, trainer_profile
 from rollflow.testing import FakeEngine, FakeTokenizer
 
 FAST_ENGINE = EngineProfile(fixed_s=0.02, per_seq_s=0.001, max_num_seqs=64)
@@ -176,6 +177,32 @@ def test_simulate_command_prints_a_row_and_rejects_bad_sweeps(capsys, tmp_path):
     assert main(["simulate", "--sweep", "gpus=1,2"]) == 2
     assert "expected NAME=V1,V2" in capsys.readouterr().err
     assert main(["simulate", "--lengths", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_an_engine_elsewhere_sent_only_the_changes_loads_that_share_of_the_bytes():
+    """A 7B model's 15 GB over a 1 GB/s link, every byte each update against the changed 2 %
+    after the first: each load's time is its bytes over the link, and a sync-bound run speeds up."""
+    link = replace(trainer_profile("7B"), sync_bytes_per_s=1e9, sync_fixed_s=0.0, snapshots=True)
+    delta = replace(link, delta_fraction=0.02, delta_scan_bytes_per_s=60e9)
+    base = Scenario(engine=engine_profile("7B"), trainer=link, steps=5, groups_per_step=4, group_size=4,
+                    prompt_tokens=64, max_tokens=64, lengths=LengthModel(mean=40, sigma=0.5))
+    full, changed = simulate(base), simulate(replace(base, trainer=delta))
+    every = link.weight_bytes
+    loads = [m["engine_update_s"] for m in changed.metrics[1:]]  # a step reports the load before it
+    assert abs(loads[0] - every / 1e9) <= 0.01 * loads[0]  # the first load has no base: every byte
+    per_delta = every * 0.02 / 1e9 + every / 60e9  # the changes over the link, after a scan of all
+    assert all(abs(s - per_delta) <= 0.01 * per_delta for s in loads[1:]), (loads, per_delta)
+    assert all(abs(m["engine_update_s"] - every / 1e9) <= 0.01 * every / 1e9 for m in full.metrics[1:])
+    assert changed.steps_per_hour > 2 * full.steps_per_hour
+
+
+def test_simulate_takes_the_links_bandwidth_and_the_changed_share(capsys):
+    args = ["simulate", "--steps", "2", "--groups", "2", "--group-size", "2"]
+    assert main([*args, "--sync-gb-per-s", "1", "--delta-fraction", "0.015"]) == 0
+    assert "weight sync 1 GB/s, after the first update 0.015 of the bytes" in capsys.readouterr().out
+    assert main([*args, "--delta-fraction", "0"]) == 2
+    assert "--delta-fraction: expected a share of the bytes in (0, 1], got 0.0" in capsys.readouterr().err
+    assert main([*args, "--sync-gb-per-s", "-1"]) == 2
 
 
 def test_the_default_scenario_simulates(capsys):

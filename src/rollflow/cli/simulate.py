@@ -35,6 +35,19 @@ def add(commands: Any) -> None:
         help="engine and trainer profiles measured on a machine (bench/simulator_validation.py --save-profile) "
         "instead of --model-size/--gpu's planning numbers",
     )
+    sim.add_argument(
+        "--sync-gb-per-s",
+        type=float,
+        metavar="GBPS",
+        help="bandwidth of the weight sync to the engines, GB/s (default: the profile's; 25 for the planning ones)",
+    )
+    sim.add_argument(
+        "--delta-fraction",
+        type=float,
+        metavar="F",
+        help="engines elsewhere sent only the changed elements: each update after the first moves this share "
+        "of the bytes, from a staged copy (bench/weight_sync.py's delta_bytes_frac; default 1, every byte)",
+    )
     sim.add_argument("--rho", type=float, default=0.5, help="within-group correlation of log-lengths (default 0.5)")
     sim.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     sim.add_argument("--groups", type=int, default=32, help="groups per step (default 32)")

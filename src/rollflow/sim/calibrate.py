@@ -242,7 +242,9 @@ class Calibration:
                 return f"trainer.{name}: expected 0 or more, got {getattr(trainer, name)}"
         if trainer.s_per_token == 0 and trainer.fixed_s == 0:
             return "trainer: a step takes no time (s_per_token and fixed_s are 0)"
-        for name in ("stage_bytes_per_s", "sync_bytes_per_s", "contended"):
+        if not 0 < trainer.delta_fraction <= 1:
+            return f"trainer.delta_fraction: expected a share of the bytes in (0, 1], got {trainer.delta_fraction}"
+        for name in ("stage_bytes_per_s", "sync_bytes_per_s", "delta_scan_bytes_per_s", "contended"):
             if not getattr(trainer, name) > 0:
                 return f"trainer.{name}: expected a positive number, got {getattr(trainer, name)}"
         if trainer.weight_bytes < 0 or trainer.micro_batch_tokens < 1:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from rollflow.errors import UserInputError
 from rollflow.sim import SWEEPABLE, Scenario, SimResult, simulate, varied
 from rollflow.sim.calibrate import PLANNING, Calibration
+from rollflow.sim.components import TrainerProfile
 from rollflow.sim.lengths import LengthModel
 from rollflow.sim.profiles import engine_profile, trainer_profile
 
@@ -53,6 +55,7 @@ def scenario_from(args: argparse.Namespace, calibration: Calibration | None = No
         engine, trainer = calibration.engine, calibration.trainer
     else:
         engine, trainer = engine_profile(args.model_size, args.gpu), trainer_profile(args.model_size)
+    trainer = with_link(trainer, getattr(args, "sync_gb_per_s", None), getattr(args, "delta_fraction", None))
     return Scenario(
         engine=engine,
         trainer=trainer,
@@ -67,6 +70,20 @@ def scenario_from(args: argparse.Namespace, calibration: Calibration | None = No
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
     )
+
+
+def with_link(trainer: TrainerProfile, gb_per_s: float | None, delta_fraction: float | None) -> TrainerProfile:
+    """`trainer` with the weight sync's bandwidth (`--sync-gb-per-s`) and the share of bytes an
+    update moves after the first (`--delta-fraction`: the changed elements, from a staged copy)."""
+    if gb_per_s is not None:
+        if not gb_per_s > 0:
+            raise UserInputError(f"--sync-gb-per-s: expected a positive bandwidth in GB/s, got {gb_per_s}")
+        trainer = replace(trainer, sync_bytes_per_s=gb_per_s * 1e9)
+    if delta_fraction is not None:
+        if not 0 < delta_fraction <= 1:
+            raise UserInputError(f"--delta-fraction: expected a share of the bytes in (0, 1], got {delta_fraction}")
+        trainer = replace(trainer, delta_fraction=delta_fraction, snapshots=True)
+    return trainer
 
 
 def row(label: str, r: SimResult) -> str:
@@ -102,6 +119,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         f" {s.groups_per_step} groups x {s.group_size} samples, prompt {s.prompt_tokens} tokens, lengths"
         f" {lengths} (max {s.max_tokens}), max_lag {s.max_lag}, partial {s.partial}, {s.steps} steps"
     )
+    link = f"weight sync {s.trainer.sync_bytes_per_s / 1e9:.3g} GB/s"
+    if s.trainer.delta_fraction < 1:
+        link += f", after the first update {s.trainer.delta_fraction:.3g} of the bytes (changed elements only)"
+    print(link)
     print(f"confidence: {calibration.confidence() if calibration is not None else PLANNING}")
     print("(virtual time; wasted = tokens generated then withheld for staleness or discarded by restart)")
     print(HEADER)

@@ -13,7 +13,9 @@
 - `SimTrainer`: a step takes `fixed_s + model tokens × s_per_token / gpus`, the model tokens
   being those the trainer's own plan puts through the model in its layout
   (`rollflow.trainer.batches.model_tokens`: each group's prompt once with `shared_prompt`).
-- `SimTransport`: staging and loading take bytes / bandwidth (+ a fixed cost per load).
+- `SimTransport`: staging and loading take bytes / bandwidth (+ a fixed cost per load); with a
+  `delta_fraction` below 1, every load after the first moves that share of the bytes, after a
+  scan of all of them (the changed elements only, to a remote engine).
 - Request lengths come from a `LengthModel` (`rollflow.sim.lengths`).
 
 Time is whatever the running loop says (`VirtualTimeLoop` in a simulation). These are models,
@@ -104,6 +106,14 @@ class TrainerProfile:
     sync_bytes_per_s: float = math.inf
     """Moving the weights into the engines (inside the engines' paused critical section)."""
     sync_fixed_s: float = 0.0
+    delta_fraction: float = 1.0
+    """Bytes an update moves once the engine holds a base (its first load moves every byte), as
+    a share of `weight_bytes`: 1.0 moves every byte; below it, only the changed elements
+    (`run.weight_delta` to remote engines; `bench/weight_sync.py` measures the share as
+    `delta_bytes_frac`, about 0.015 for SmolLM2-135M in bfloat16 at a learning rate of 1e-6)."""
+    delta_scan_bytes_per_s: float = math.inf
+    """Finding the changed elements before a delta is sent: the sender compares every byte of
+    the weights with the last sync's (the engine serves on meanwhile)."""
     snapshots: bool = True
     """False when the transfer reads the trainer's own tensors (NCCL): the trainer waits for it."""
     contended: float = 1.0
@@ -287,6 +297,8 @@ class SimTransport:
     def __init__(self, profile: TrainerProfile) -> None:
         self.profile = profile
         self.snapshots = profile.snapshots
+        self.loaded_bytes: list[int] = []
+        """Bytes each load moved, in order."""
 
     def worker_call(self, plan: Any) -> None:
         """None: no single worker call loads these weights (`load` does)."""
@@ -302,7 +314,12 @@ class SimTransport:
         return self.profile.weight_bytes
 
     async def load(self, engine: Any, plan: Any) -> None:
-        await asyncio.sleep(self.profile.sync_fixed_s + self.profile.weight_bytes / self.profile.sync_bytes_per_s)
+        profile = self.profile
+        delta = bool(self.loaded_bytes) and profile.delta_fraction < 1.0  # the engine holds a base
+        moved = round(profile.weight_bytes * profile.delta_fraction) if delta else profile.weight_bytes
+        scan = profile.weight_bytes / profile.delta_scan_bytes_per_s if delta else 0.0
+        self.loaded_bytes.append(moved)
+        await asyncio.sleep(profile.sync_fixed_s + scan + moved / profile.sync_bytes_per_s)
 
     async def aclose(self) -> None:
         return None
