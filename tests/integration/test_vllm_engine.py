@@ -155,3 +155,24 @@ async def test_progress_of_a_running_request_is_a_prefix_of_its_final_output(eng
         assert snap.versions == sample.versions[:k]
         assert snap.logprobs == sample.logprobs[:k]
     assert engine.partial("snap/0") is None  # finished: nothing running under that id
+
+
+async def test_seeded_requests_whose_prompts_overfill_a_steps_token_budget(engine):
+    """Every request of a run carries a seed. Prompts that together exceed one engine step's
+    token budget have their prefill split across steps, where vLLM rewinds a request's seeded
+    generator for the token it discards; a CPU generator has no offset to rewind, and the engine
+    core died (`CPU Generator does not use offset`). Each request draws as its seed says."""
+    import msgspec
+
+    prompts = [[1] + [3 + (11 * i + 5 * j) % 250 for j in range(220)] for i in range(16)]  # 3,536 tokens
+    spec = SamplingSpec(temperature=1.0, max_tokens=4, ignore_eos=True)
+
+    async def draw(tag: str) -> list[list[int]]:
+        outs = await asyncio.gather(*(
+            engine.generate(p, msgspec.structs.replace(spec, seed=100 + i), f"{tag}-{i}") for i, p in enumerate(prompts)
+        ))  # fmt: skip
+        return [out.token_ids for out in outs]
+
+    first = await draw("budget")
+    assert all(len(tokens) == 4 for tokens in first)
+    assert await draw("budget-again") == first  # the same seeds, the same draws

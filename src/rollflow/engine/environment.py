@@ -150,6 +150,24 @@ def sampling_params(sampling: SamplingSpec, deltas: bool = True) -> Any:
     )
 
 
+STEP_TOKENS = 2048
+"""vLLM's default token budget of one engine step; `whole_prefills` keeps it unless a prompt is longer."""
+
+
+def whole_prefills(config: EngineConfig) -> dict[str, Any]:
+    """On CPU, vLLM's engine arguments that prefill every prompt within one step (no chunked
+    prefill), the step's token budget raised to the longest context when that is longer; {} on a GPU.
+
+    Every request of a run carries a seed. When a prompt's prefill is split across steps, vLLM
+    0.32 rewinds the request's seeded generator by the offset of the token it discards, and a
+    CPU generator has no offset: the engine core dies (`CPU Generator does not use offset`)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(config.max_model_len, STEP_TOKENS)}
+
+
 def engine_args(model_path: str, config: EngineConfig, dtype: str) -> Any:
     """vLLM's `AsyncEngineArgs` for an in-process engine: the model, the KV cache and batch size,
     log-probs as sampled, rollflow's worker extension, prefix caching, eager mode and LoRA when
@@ -182,6 +200,7 @@ def engine_args(model_path: str, config: EngineConfig, dtype: str) -> Any:
         disable_log_stats=True,
         enable_log_requests=False,
         use_tqdm_on_load=verbose(),  # a progress bar per start otherwise
+        **whole_prefills(config),
         **lora,
     )
 
@@ -189,6 +208,9 @@ def engine_args(model_path: str, config: EngineConfig, dtype: str) -> Any:
 def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, port: int, dtype: str) -> list[str]:
     """The command line of a vLLM server that a `RemoteEngine` can drive (run it with the
     environment of `serve_environment`)."""
+    config = resolve_context(config, model_path)
+    whole = whole_prefills(config)
+    steps = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(whole["max_num_batched_tokens"])]
     return [
         sys.executable,
         "-m",
@@ -198,7 +220,7 @@ def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, po
         "--port", str(port),
         "--dtype", dtype,
         "--seed", str(config.seed),
-        "--max-model-len", str(resolve_context(config, model_path).max_model_len),
+        "--max-model-len", str(config.max_model_len),
         "--max-num-seqs", str(config.max_num_seqs),
         "--kv-cache-memory-bytes", str(config.kv_cache_bytes),
         "--logprobs-mode", config.logprobs_mode,
@@ -206,7 +228,7 @@ def serve_command(model_path: str | Path, config: EngineConfig, *, host: str, po
         "--enable-prefix-caching",
         "--enable-scale-out",  # the token-in/token-out endpoint
         "--disable-log-stats",
-    ] + (
+    ] + (steps if whole else []) + (
         ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer})] if config.weight_transfer else []
     ) + (["--enforce-eager"] if config.enforce_eager else [])  # fmt: skip
 
