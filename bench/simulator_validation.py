@@ -26,12 +26,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import machine
+import msgspec
 from overlap import CONTROLLER_CORE, ENGINE_CORE, SYSTEM_WORDS, pin
 
 from rollflow.config import Config, load_config
@@ -59,6 +61,14 @@ BATCHES = (1, 2, 4, 8, 16, 24, 32)
 LONG = 64
 REPEATS = 3
 """Each timing is the fastest of this many (the machine's noise only ever adds time)."""
+CONTENDED_BATCH = 32
+"""The engine batch decoding beside the trainer when contention is measured."""
+PREFILL_BATCHES = (1, 8, 16, 32)
+"""Numbers of fresh prompts prefilled at once, for the prefill's cost per token."""
+VOCAB_TOP = 800
+"""Fresh prompts draw token ids below this (the tiny model's vocabulary has 872)."""
+STEPS = 5
+"""Trainer steps timed alone and beside the engine, each side's median taken."""
 
 
 def config_for(max_lag: int, groups: int, steps: int) -> Config:
@@ -90,12 +100,16 @@ async def measure_engine(config: Config) -> tuple[EngineProfile, int, float, tup
     steps, prefills = [], []
     try:
 
+        def seeded(spec: SamplingSpec, i: int) -> SamplingSpec:
+            # Every request of a run carries its own seed, which vLLM samples request by request.
+            return msgspec.structs.replace(spec, seed=i)
+
         async def generate(batch: int, tokens: int, tag: str) -> float:
             # Through `rollout`, as the controller generates: its per-token work on the loop counts.
             spec = SamplingSpec(max_tokens=tokens, ignore_eos=True)
             began = time.monotonic()
             await asyncio.gather(
-                *(rollout(engine, prompts[i], spec, group_id=f"{tag}-{i}", index=0) for i in range(batch))
+                *(rollout(engine, prompts[i], seeded(spec, i), group_id=f"{tag}-{i}", index=0) for i in range(batch))
             )
             return time.monotonic() - began
 
@@ -109,7 +123,7 @@ async def measure_engine(config: Config) -> tuple[EngineProfile, int, float, tup
 
             async def one(i: int) -> None:
                 began = last = time.monotonic()
-                async for out in engine.stream(f"{tag}-{i}", prompts[i].token_ids, spec):
+                async for out in engine.stream(f"{tag}-{i}", prompts[i].token_ids, seeded(spec, i)):
                     now = time.monotonic()
                     if last == began:
                         firsts.append(now - began)
@@ -120,12 +134,27 @@ async def measure_engine(config: Config) -> tuple[EngineProfile, int, float, tup
             await asyncio.gather(*(one(i) for i in range(batch)))
             return statistics.median(gaps), statistics.median(firsts)
 
+        fresh = random.Random(0)
+
+        async def prefill_time(batch: int, tag: str) -> float:
+            """Seconds until `batch` prompts never seen before (no prefix-cache hit: after a weight
+            update the cache is empty) have each produced their first token."""
+            spec = SamplingSpec(max_tokens=1, ignore_eos=True)
+            new = [[1] + [fresh.randrange(3, VOCAB_TOP) for _ in range(prompt_len - 1)] for _ in range(batch)]
+            began = time.monotonic()
+            await asyncio.gather(*(engine.generate(p, seeded(spec, i), f"{tag}-{i}") for i, p in enumerate(new)))
+            return time.monotonic() - began
+
         await generate(4, 8, "warm")
         for batch in BATCHES:
-            step, first = min([await step_times(batch, f"b{batch}.{r}") for r in range(REPEATS)])
+            step, _ = min([await step_times(batch, f"b{batch}.{r}") for r in range(REPEATS)])
             steps.append(step)
-            prefills.append(max(first - step, 0.0) / (batch * prompt_len))
             print(f"engine: batch {batch:>2}: {step * 1e3:.2f} ms per step, {1 / step * batch:.0f} tokens/s")
+        # A step's prefill costs this much more per prompt token (the slope over batch sizes; the
+        # fixed part is the decode step's).
+        sizes = PREFILL_BATCHES
+        times = [min([await prefill_time(b, f"pf{b}.{r}") for r in range(REPEATS)]) for b in sizes]
+        prefills.append(max(fit_line([float(b * prompt_len) for b in sizes], times)[1], 0.0))
         engine_factor, trainer_factor, trainer_fit = await measure_contention(
             engine, config, path, prompts, generate, step_times
         )
@@ -133,7 +162,7 @@ async def measure_engine(config: Config) -> tuple[EngineProfile, int, float, tup
         await engine.aclose()
     profile = engine_profile(
         dict(zip(BATCHES, steps, strict=True)),
-        prefill_per_token_s=sum(prefills) / len(prefills),
+        prefill_per_token_s=prefills[0],
         max_num_seqs=config.engine.max_num_seqs,
         contended=engine_factor,
     )
@@ -170,8 +199,13 @@ async def measure_contention(
         trainer.step(which)
         return time.monotonic() - began
 
-    alone = min([await asyncio.to_thread(timed_step) for _ in range(3)])
-    alone_small = min([await asyncio.to_thread(timed_step, small) for _ in range(3)])
+    for _ in range(2):  # the first steps allocate and warm the kernels up: not what a run's steps cost
+        await asyncio.to_thread(timed_step)
+    # Medians of as many steps alone as beside the engine: the machine's noise only adds time, so
+    # a fastest-of alone against a mean beside it would count noise as contention.
+    before = [await asyncio.to_thread(timed_step) for _ in range(STEPS)]
+    alone = statistics.median(before)
+    alone_small = statistics.median([await asyncio.to_thread(timed_step, small) for _ in range(STEPS)])
     budget, layout = config.trainer.micro_batch_tokens, config.trainer.layout
     tokens = [model_tokens(b.samples, budget, layout) for b in (small, batch)]
     fixed, per_token = fit_line([float(t) for t in tokens], [alone_small, alone])
@@ -199,16 +233,20 @@ async def measure_contention(
     async def decode_loop() -> None:
         rounds = 0
         while generating:
-            await generate(32, LONG, f"bg{rounds}")
+            await generate(CONTENDED_BATCH, LONG, f"bg{rounds}")
             rounds += 1
 
     background = asyncio.create_task(decode_loop())
     try:
         await asyncio.sleep(0.2)
-        contended = sum([await asyncio.to_thread(timed_step) for _ in range(3)]) / 3
+        contended = statistics.median([await asyncio.to_thread(timed_step) for _ in range(STEPS)])
     finally:
         generating = False
         await background
+    # Steps alone again, after those beside the engine: the machine's speed drifts within
+    # minutes, and alone steps on both sides of them keep the drift out of the ratio.
+    after = [await asyncio.to_thread(timed_step) for _ in range(STEPS)]
+    alone = statistics.median([*before, *after])
     print(f"contention: decode step {free * 1e3:.2f} -> {busy * 1e3:.2f} ms while training; "
           f"train step {alone:.3f} -> {contended:.3f} s while decoding")
     return busy / free, contended / alone, (max(fixed, 0.0), per_token)
@@ -245,7 +283,7 @@ async def measure(args: argparse.Namespace) -> dict:
         measured_a, metrics_a = await run_real(a, out_a)
         trainer = trainer_profile(
             metrics_a, layout=a.trainer.layout, micro_batch_tokens=a.trainer.micro_batch_tokens,
-            contended=trainer_factor, step=trainer_fit,
+            contended=trainer_factor, contended_batch=CONTENDED_BATCH, step=trainer_fit,
         )
         lengths = LengthModel.parse(str(out_a / "trace.json"), rho=0.5)
         print(f"trainer profile: {trainer.fixed_s * 1e3:.1f} ms + {trainer.s_per_token * 1e6:.2f} us/model token "

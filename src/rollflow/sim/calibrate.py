@@ -66,6 +66,7 @@ def trainer_profile(
     layout: Layout,
     micro_batch_tokens: int,
     contended: float = 1.0,
+    contended_batch: int = 0,
     step: tuple[float, float] | None = None,
 ) -> TrainerProfile:
     """The trainer profile of a run's steady steps (its first step left out): the weight-sync
@@ -94,6 +95,7 @@ def trainer_profile(
         sync_bytes_per_s=weight_bytes / max(load_s, 1e-6),
         snapshots=True,
         contended=contended,
+        contended_batch=contended_batch,
     )
 
 
@@ -247,6 +249,8 @@ class Calibration:
         for name in ("stage_bytes_per_s", "sync_bytes_per_s", "delta_scan_bytes_per_s", "contended"):
             if not getattr(trainer, name) > 0:
                 return f"trainer.{name}: expected a positive number, got {getattr(trainer, name)}"
+        if trainer.contended_batch < 0:
+            return f"trainer.contended_batch: expected 0 or more requests, got {trainer.contended_batch}"
         if trainer.weight_bytes < 0 or trainer.micro_batch_tokens < 1:
             return "trainer: expected weight_bytes >= 0 and micro_batch_tokens >= 1"
         for i, length in enumerate(self.lengths):

@@ -118,6 +118,10 @@ class TrainerProfile:
     """False when the transfer reads the trainer's own tensors (NCCL): the trainer waits for it."""
     contended: float = 1.0
     """Step-time factor while an engine is generating (see `EngineProfile.contended`)."""
+    contended_batch: int = 0
+    """The engine batch at which `contended` was measured: a step that starts while the engines
+    run fewer requests is slowed in proportion (the engine's memory traffic and the loop's work
+    on its outputs grow with its batch); 0 applies `contended` whatever the batch."""
 
 
 @dataclass
@@ -167,6 +171,11 @@ class SimEngine(FakeEngine):
     @property
     def generating(self) -> bool:
         return any(r.stepping for r in self.replicas)
+
+    @property
+    def running(self) -> int:
+        """Requests the replicas run now."""
+        return sum(len(r.running) for r in self.replicas)
 
     @property
     def busy_s(self) -> float:
@@ -266,12 +275,20 @@ class SimTrainer:
         tokens = model_tokens(batch.samples, profile.micro_batch_tokens, profile.layout)
         return profile.fixed_s + tokens * profile.s_per_token / self.gpus
 
+    def contention(self) -> float:
+        """The step-time factor of the engines' work on a shared host as a step starts."""
+        profile, engine = self.profile, self.engine
+        if engine is None or not engine.generating:
+            return 1.0
+        if not profile.contended_batch:
+            return profile.contended
+        share = min(1.0, engine.running / (profile.contended_batch * len(engine.replicas)))
+        return 1.0 + (profile.contended - 1.0) * share
+
     async def step(self, batch: TrainBatch) -> dict[str, float]:
         loop = asyncio.get_running_loop()
         began = loop.time()
-        step = self.step_s(batch)
-        if self.engine is not None and self.engine.generating:
-            step *= self.profile.contended
+        step = self.step_s(batch) * self.contention()
         self.busy = True
         try:
             await asyncio.sleep(step)
