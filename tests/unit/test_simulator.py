@@ -335,3 +335,19 @@ def test_a_calibration_file_is_checked_when_it_loads_naming_the_field(tmp_path, 
     err = capsys.readouterr().err
     assert time.monotonic() - began < 10
     assert re.search(named, err), err
+
+
+def test_the_trainer_is_slowed_in_proportion_to_the_engines_batch():
+    """Contention measured beside an engine decoding 32 requests slows a step that starts beside
+    8 of them by a quarter as much; with no batch given, by all of it whenever the engine runs."""
+
+    class Running:
+        generating, running, replicas = True, 8, [object()]
+
+    trainer = SimTrainer(TrainerProfile(s_per_token=1e-6, contended=1.4, contended_batch=32))
+    trainer.engine = Running()  # type: ignore[assignment]
+    assert trainer.contention() == pytest.approx(1.1)
+    trainer.profile = replace(trainer.profile, contended_batch=0)
+    assert trainer.contention() == pytest.approx(1.4)
+    Running.generating = False
+    assert trainer.contention() == 1.0
