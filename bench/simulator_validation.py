@@ -311,12 +311,15 @@ def main(args: argparse.Namespace) -> None:
         "B: max_lag 2, 4 groups": (predict(*profiles, max_lag=2, groups=4, steps=args.steps), m["b"]),
     }
     print(f"{'configuration':<38}{'steps/s sim':>12}{'real':>8}{'error':>8}{'trainer idle sim':>18}{'real':>8}"
-          f"{'step s sim':>12}{'real':>8}{'gen tok/s sim':>15}{'real':>8}")
+          f"{'step s sim':>12}{'real':>8}{'gen tok/s sim':>15}{'real':>8}{'lag in flight sim':>19}{'real':>6}"
+          f"{'in queue sim':>14}{'real':>6}")
     for name, (sim, real) in rows.items():
         error = errors(sim, real)["steps_per_s_pct"]
         print(f"{name:<38}{sim['steps_per_s']:>12.2f}{real['steps_per_s']:>8.2f}{error:>+7.1f}%"
               f"{sim['trainer_idle']:>18.1%}{real['trainer_idle']:>8.1%}{sim['train_step_s']:>12.3f}"
-              f"{real['train_step_s']:>8.3f}{sim['gen_tokens_per_s']:>15.0f}{real['gen_tokens_per_s']:>8.0f}")
+              f"{real['train_step_s']:>8.3f}{sim['gen_tokens_per_s']:>15.0f}{real['gen_tokens_per_s']:>8.0f}"
+              f"{sim['lag_in_flight']:>19.2f}{real['lag_in_flight']:>6.2f}{sim['lag_in_queue']:>14.2f}"
+              f"{real['lag_in_queue']:>6.2f}")
     replay = errors(*rows["A: max_lag 0, 8 groups (calibration)"])
     predicted = errors(*rows["B: max_lag 2, 4 groups"])
     where = machine.describe().removeprefix("machine: ")

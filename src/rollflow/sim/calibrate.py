@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from rollflow.plots import lag_histogram
 from rollflow.sim.components import EngineProfile, TrainerProfile
 from rollflow.trainer.batches import Layout
 
@@ -146,14 +147,24 @@ def fit_to_run(
 
 def summary(metrics: list[dict[str, Any]]) -> dict[str, float]:
     """What a run is compared on, over its steady steps (the first left out): steps per second,
-    the trainer's idle share (waiting for a batch or for weight sync), mean step and generation rate."""
+    the trainer's idle share (waiting for a batch or for weight sync), mean step and generation
+    rate, and the samples' mean lag by cause (in flight, in the queue: `lag_in_flight_hist`,
+    `lag_in_queue_hist`)."""
     steady = _steady(metrics)
+
+    def lag_mean(key: str) -> float:
+        hist = lag_histogram(steady, key)
+        count = sum(hist.values())
+        return sum(lag * n for lag, n in hist.items()) / count if count else 0.0
+
     wall = metrics[-1]["wall_s"] - metrics[0]["wall_s"] if len(metrics) > 1 else metrics[-1]["wall_s"]
     return {
         "steps_per_s": len(steady) / wall if wall > 0 else 0.0,
         "trainer_idle": sum(m["batch_wait_s"] + m["weight_sync_s"] for m in steady) / wall if wall > 0 else 0.0,
         "train_step_s": sum(m["train_step_s"] for m in steady) / len(steady),
         "gen_tokens_per_s": sum(m["gen_tokens_per_s"] for m in steady) / len(steady),
+        "lag_in_flight": lag_mean("lag_in_flight_hist"),
+        "lag_in_queue": lag_mean("lag_in_queue_hist"),
     }
 
 
