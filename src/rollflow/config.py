@@ -450,6 +450,13 @@ class TrainerConfig(_Section, frozen=True):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Trainer parameter dtype (bfloat16 on GPU; float32 matches the CPU engine exactly)."""
 
+    autocast: Literal["none", "bfloat16"] = "none"
+    """Mixed precision: the model body's matrix products in bfloat16 under `torch.autocast`,
+    the weights, gradients, optimizer and the log-prob head in `dtype`. On a CPU with AMX-BF16
+    (or AVX512-BF16) a step takes about half the time; the trainer's log-probs then differ from a
+    float32 engine's by bfloat16's rounding, which the importance-sampling correction
+    (`loss.is_mode`) weighs like any other behaviour mismatch."""
+
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
 

@@ -278,3 +278,22 @@ def test_model_tokens_counts_what_the_layout_lays_out(layout):
         plan = plan_micro_batches(samples, list(range(len(samples))), budget, layout)
         laid_out = sum(pad([samples[i] for i in micro], torch.device("cpu"), layout)["tokens"] for micro in plan)
         assert model_tokens(samples, budget, layout) == laid_out
+
+
+@pytest.mark.parametrize("layout", ["padded", "shared_prompt"])
+def test_bfloat16_autocast_computes_the_body_in_bfloat16_and_keeps_float32_weights(make_batch, layout):
+    """`trainer.autocast = "bfloat16"`: the body's products in bfloat16 (its log-probs differ from
+    float32's by bfloat16's rounding, not by more), the weights and their updates in float32."""
+    plain = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3, layout=layout))
+    mixed = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3, layout=layout, autocast="bfloat16"))
+    batch = make_batch(plain, temperature=1.0)
+    want = torch.tensor([x for lp in plain.score(batch.samples) for x in lp])
+    got = torch.tensor([x for lp in mixed.score(batch.samples) for x in lp])
+    gap = (got - want).abs().max().item()
+    assert 0 < gap <= 0.1 * want.abs().max().item(), gap  # bfloat16 keeps about 3 significant digits
+    before = params(mixed)
+    metrics = mixed.step(batch)
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    after = params(mixed)
+    assert all(t.dtype == torch.float32 for t in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -39,6 +39,10 @@ def segment_attention(
     rollflow_segments: list[Segment] | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
+    if query.dtype != value.dtype:
+        # Under bfloat16 autocast the projections come out in bfloat16 but the rotary embedding
+        # promotes queries and keys to float32; SDPA takes one dtype, the projections'.
+        query, key = query.to(value.dtype), key.to(value.dtype)
     if rollflow_segments is None:  # an ordinary forward (generate, export checks): plain SDPA
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

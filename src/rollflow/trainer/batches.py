@@ -31,12 +31,15 @@ class PolicyHead(nn.Module):
     custom log-prob function exactly as for any other layer.
     """
 
-    def __init__(self, lm: nn.Module, chunk: int, head: Head = "chunked") -> None:
+    def __init__(self, lm: nn.Module, chunk: int, head: Head = "chunked", autocast: torch.dtype | None = None) -> None:
         super().__init__()
         self.lm = lm
         self.chunk = chunk
         self.head = head
         """`chunked` or `fused` (`rollflow.trainer.heads.choose_head`)."""
+        self.autocast = autocast
+        """The dtype the body computes in under `torch.autocast` (`trainer.autocast`), or None.
+        The head stays in the weights' dtype: bfloat16 logits would round log-probs by ~0.05."""
 
     def forward(
         self,
@@ -55,9 +58,14 @@ class PolicyHead(nn.Module):
         if segments is not None:
             extra["rollflow_segments"] = segments
             attention_mask = NO_MASK.to(input_ids.device)
-        out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **extra)
-        rows = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1]).index_select(0, gather)  # (N, H)
+        with torch.autocast(input_ids.device.type, dtype=self.autocast or torch.bfloat16, enabled=bool(self.autocast)):
+            out = body(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **extra
+            )
+        hidden = out.last_hidden_state
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, gather)  # (N, H)
         weight = self.lm.get_output_embeddings().weight  # type: ignore[operator]  # (V, H)
+        rows = rows.to(weight.dtype)
         return head_logprobs(
             self.head, rows, weight, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk=self.chunk
         )

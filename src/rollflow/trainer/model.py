@@ -64,22 +64,23 @@ class Trainer(TrainerState):
         lm.to(self.device)  # type: ignore[arg-type]
         if config.gradient_checkpointing:
             lm.gradient_checkpointing_enable()
-        if config.layout != "padded":
-            use_segment_attention(lm)
+        if config.layout != "padded" or config.autocast != "none":
+            use_segment_attention(lm)  # (which also evens the dtypes autocast leaves SDPA)
         self.head, _ = choose_head(config.fused_loss, self.device)
         """The log-prob head: `fused` (liger-kernel) or `chunked`."""
         if self.head == "fused" and (problem := check_fused(lm.get_output_embeddings().weight)) is not None:
             log.warning("loss head: chunked after all: liger-kernel's fused kernel failed its check (%s)", problem)
             self.head = "chunked"
         self.spec = loss_spec(loss)
+        autocast = torch.bfloat16 if config.autocast == "bfloat16" else None
         self.reference: PolicyHead | None = None
         if loss.kl_coef > 0 and not config.lora.enabled:
             ref = copy.deepcopy(lm).eval().requires_grad_(False)
-            self.reference = self._shard(PolicyHead(ref, config.loss_chunk, self.head))
+            self.reference = self._shard(PolicyHead(ref, config.loss_chunk, self.head, autocast))
         torch.manual_seed(config.seed)  # identical adapter initialisation on every rank
         if config.lora.enabled:
             lm = with_lora(lm, config.lora)  # type: ignore[assignment]
-        self.module = self._shard(PolicyHead(lm, config.loss_chunk, self.head))
+        self.module = self._shard(PolicyHead(lm, config.loss_chunk, self.head, autocast))
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=False
