@@ -35,6 +35,14 @@ HARMLESS: list[tuple[str, str, str]] = [
         "The global random seed is set to",
         "rollflow seeds and checkpoints its own random state after the engine starts",
     ),
+    (
+        "vllm.engine.arg_utils",
+        "This model does not officially support disabling chunked prefill",
+        "rollflow turns chunked prefill off on CPU on purpose and gives each step a token budget of "
+        "at least the longest context, so every prompt is prefilled whole, as for a model without "
+        "chunked prefill (a split prefill of a seeded request kills vLLM's CPU engine core; the "
+        "engine tests decode seeded prompts that overfill a step, the same draws twice)",
+    ),
     ("vllm.platforms.cpu", "Triton is not installed", "the CPU backend runs without Triton"),
     ("vllm.platforms.cpu", "Reset SSM cache type", "only state-space models have an SSM cache"),
     ("vllm.config.vllm", "Model Runner V2 requires Triton", "the V1 model runner is the CPU path"),
