@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (GRPOConfig's bf16)")
     args = parser.parse_args()
 
     import torch
@@ -80,7 +81,7 @@ def main() -> None:
             save_strategy="no",
             report_to="none",
             use_cpu=True,
-            bf16=False,
+            bf16=args.bf16,
             seed=0,
             disable_tqdm=True,
             dataloader_num_workers=0,

@@ -21,7 +21,11 @@ time / rollflow's (`_step`), and rollflow's tokens per second / TRL's (`_token`)
     RESULT tiny_async_step=<x> tiny_async_token=<x> tiny_sync_step=<x> tiny_sync_token=<x>
         smollm2_async_step=<x> ... smollm2_sync_token=<x>
 
-    bin/dev python bench/vs_trl.py [--models tiny,smollm2] [--steps N] [--keep DIR]
+    bin/dev python bench/vs_trl.py [--models tiny,smollm2] [--steps N] [--keep DIR] [--precision bf16]
+
+`--precision bf16` runs both trainers in bfloat16 mixed precision (float32 weights and
+optimizer; TRL's `bf16=True`, rollflow's `trainer.autocast = "bfloat16"`); the engines as
+they are (vLLM in float32 on rollflow's side, TRL's own generation on its side).
 """
 
 from __future__ import annotations
@@ -103,12 +107,14 @@ def summary(ends: list[float], tokens: list[float]) -> dict[str, float]:
     return {"step_s": statistics.median(steps), "tokens": statistics.median(tokens[2:] or tokens)}
 
 
-def run_trl(path: Path, prompts: list[str], steps: int, tokens: int) -> dict[str, float]:
+def run_trl(path: Path, prompts: list[str], steps: int, tokens: int, precision: str) -> dict[str, float]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     command = [str(ROOT / "bin" / "dev"), "bench-env", "trl", str(ROOT / "bench" / "trl_grpo.py"), "--model", str(path),
                "--prompts", f.name, "--steps", str(steps), "--tokens", str(tokens), "--lr", str(LR),
                "--groups", str(GROUPS), "--group-size", str(GROUP_SIZE)]  # fmt: skip
+    if precision == "bf16":
+        command.append("--bf16")
     try:
         one_thread = os.environ | {"OMP_NUM_THREADS": "1"}
         done = subprocess.run(command, capture_output=True, text=True, check=False, env=one_thread)
@@ -123,7 +129,7 @@ def run_trl(path: Path, prompts: list[str], steps: int, tokens: int) -> dict[str
 
 
 async def run_rollflow(
-    name: str, path: Path, steps: int, tokens: int, max_lag: int, keep: str | None
+    name: str, path: Path, steps: int, tokens: int, max_lag: int, keep: str | None, precision: str
 ) -> dict[str, float]:
     import torch
 
@@ -143,6 +149,7 @@ async def run_rollflow(
             "engine.threads=1",
             "run.eval_prompts=0",
             "checkpoint.final_model=false",
+            *(["trainer.autocast=bfloat16"] if precision == "bf16" else []),
         ],
     )
     pin(ENGINE_CORE)  # the engine process spawned at start inherits this core
@@ -167,10 +174,10 @@ async def main(args: argparse.Namespace) -> None:
         config = load_config(preset=MODELS[name]["preset"], overrides=[f"model.path={path}"])
         prompts = questions(config, GROUPS * (args.steps + 2))
         began = time.monotonic()
-        trl = run_trl(path, prompts, args.steps, tokens)
+        trl = run_trl(path, prompts, args.steps, tokens, args.precision)
         rows = [(f"TRL {trl['version']}", trl, None)]
         for mode, lag in (("async", 1), ("sync", 0)):
-            mine = await run_rollflow(name, path, args.steps, tokens, lag, args.keep)
+            mine = await run_rollflow(name, path, args.steps, tokens, lag, args.keep, args.precision)
             step = trl["step_s"] / mine["step_s"]
             token = (mine["tokens"] / mine["step_s"]) / (trl["tokens"] / trl["step_s"])
             figures[f"{name}_{mode}_step"], figures[f"{name}_{mode}_token"] = step, token
@@ -179,7 +186,7 @@ async def main(args: argparse.Namespace) -> None:
             shown = f"{ratios[0]:>12.2f}{ratios[1]:>13.2f}" if ratios else ""
             rate = r["tokens"] / r["step_s"]
             print(f"{name:<9}{label:<16}{r['step_s']:>9.3f}{r['tokens']:>8.0f}{rate:>10.0f}{shown}")
-        print(f"{name}: T = {tokens}, {GROUPS} prompts x {GROUP_SIZE} per step, {args.steps} steps, "
+        print(f"{name}: T = {tokens}, {GROUPS} prompts x {GROUP_SIZE} per step, {args.steps} steps, {args.precision}, "
               f"{time.monotonic() - began:.0f} s")  # fmt: skip
     print("ratios: rollflow's speedup over TRL (step: TRL's step time / rollflow's; token: tokens/s over TRL's)")
     print("RESULT " + " ".join(f"{k}={v:.2f}" for k, v in figures.items()))
@@ -190,4 +197,9 @@ if __name__ == "__main__":
     parser.add_argument("--models", default="tiny,smollm2")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--keep", default=None, help="keep rollflow's run folders here")
+    parser.add_argument(
+        "--precision", choices=["float32", "bf16"], default="float32",
+        help="bf16: both trainers in bfloat16 mixed precision (TRL's bf16=True, rollflow's trainer.autocast), "
+        "float32 weights and optimizer on both sides",
+    )
     asyncio.run(main(parser.parse_args()))
