@@ -9,8 +9,10 @@
    trainer's time per model token (the tokens its layout puts through the model:
    `rollflow.sim.calibrate.trainer_profile`), the weight-sync times and the completion lengths.
 3. Simulate A (the replay of the calibration run) and configuration B (max_lag 2, 4 groups per
-   step) with those profiles, run B for real, and print simulated vs measured steps/s and
-   trainer idle for both. `--save-profile FILE` keeps the calibration with both errors, for
+   step) with those profiles, run B for real, and print simulated vs measured steps/s, trainer
+   idle and the samples' mean lag in flight, in the queue and in all, beside the closed form of
+   rollflow's admission rule (`rollflow.sim.calibrate.admission_lag`: min(step, max_lag)).
+   `--save-profile FILE` keeps the calibration with both errors, for
    `python -m rollflow simulate --profile FILE`.
 
 Engine on core 0, controller and trainer on core 1, as in bench/overlap.py (whose `tiny` workload
@@ -46,6 +48,7 @@ from rollflow.sampler import Sampler
 from rollflow.sim import Scenario, simulate
 from rollflow.sim.calibrate import (
     Calibration,
+    admission_lag,
     engine_profile,
     errors,
     fit_line,
@@ -307,21 +310,22 @@ def main(args: argparse.Namespace) -> None:
     m["engine"], m["trainer"] = engine, trainer
     profiles = (engine, trainer, lengths, prompt_len)
     rows = {
-        "A: max_lag 0, 8 groups (calibration)": (predict(*profiles, max_lag=0, groups=8, steps=args.steps), m["a"]),
-        "B: max_lag 2, 4 groups": (predict(*profiles, max_lag=2, groups=4, steps=args.steps), m["b"]),
+        "A: max_lag 0, 8 groups (calibration)": (predict(*profiles, max_lag=0, groups=8, steps=args.steps), m["a"], 0),
+        "B: max_lag 2, 4 groups": (predict(*profiles, max_lag=2, groups=4, steps=args.steps), m["b"], 2),
     }
     print(f"{'configuration':<38}{'steps/s sim':>12}{'real':>8}{'error':>8}{'trainer idle sim':>18}{'real':>8}"
           f"{'step s sim':>12}{'real':>8}{'gen tok/s sim':>15}{'real':>8}{'lag in flight sim':>19}{'real':>6}"
-          f"{'in queue sim':>14}{'real':>6}")
-    for name, (sim, real) in rows.items():
+          f"{'in queue sim':>14}{'real':>6}{'lag sim':>9}{'real':>6}{'closed form':>13}")
+    for name, (sim, real, max_lag) in rows.items():
         error = errors(sim, real)["steps_per_s_pct"]
         print(f"{name:<38}{sim['steps_per_s']:>12.2f}{real['steps_per_s']:>8.2f}{error:>+7.1f}%"
               f"{sim['trainer_idle']:>18.1%}{real['trainer_idle']:>8.1%}{sim['train_step_s']:>12.3f}"
               f"{real['train_step_s']:>8.3f}{sim['gen_tokens_per_s']:>15.0f}{real['gen_tokens_per_s']:>8.0f}"
               f"{sim['lag_in_flight']:>19.2f}{real['lag_in_flight']:>6.2f}{sim['lag_in_queue']:>14.2f}"
-              f"{real['lag_in_queue']:>6.2f}")
-    replay = errors(*rows["A: max_lag 0, 8 groups (calibration)"])
-    predicted = errors(*rows["B: max_lag 2, 4 groups"])
+              f"{real['lag_in_queue']:>6.2f}{sim['lag_in_flight'] + sim['lag_in_queue']:>9.2f}"
+              f"{real['lag_in_flight'] + real['lag_in_queue']:>6.2f}{admission_lag(max_lag, args.steps):>13.2f}")
+    replay = errors(*rows["A: max_lag 0, 8 groups (calibration)"][:2])
+    predicted = errors(*rows["B: max_lag 2, 4 groups"][:2])
     where = machine.describe().removeprefix("machine: ")
     if args.save_profile:
         lengths: LengthModel = m["lengths"]

@@ -18,6 +18,7 @@ from rollflow.controller import Controller
 from rollflow.controller.setup import Given
 from rollflow.records import SamplingSpec
 from rollflow.sim import Scenario, simulate
+from rollflow.sim.calibrate import admission_lag, summary
 from rollflow.sim.components import EngineProfile, SimEngine, SimTrainer, SimTransport, TrainerProfile
 from rollflow.sim.lengths import LengthModel
 from rollflow.sim.loop import run_virtual
@@ -194,6 +195,26 @@ def test_an_engine_elsewhere_sent_only_the_changes_loads_that_share_of_the_bytes
     assert all(abs(s - per_delta) <= 0.01 * per_delta for s in loads[1:]), (loads, per_delta)
     assert all(abs(m["engine_update_s"] - every / 1e9) <= 0.01 * every / 1e9 for m in full.metrics[1:])
     assert changed.steps_per_hour > 2 * full.steps_per_hour
+
+
+@pytest.mark.parametrize("max_lag", [1, 2, 3])
+def test_the_simulated_lag_is_the_admission_rules_closed_form_and_splits_by_the_slower_side(max_lag):
+    """Every sample starts as soon as the admission rule lets it, so its lag is min(step, max_lag)
+    whichever side is slower; a slow trainer leaves it in the queue, a slow engine in flight."""
+    engine = EngineProfile(fixed_s=0.0015, per_seq_s=0.00006)
+    lags = {}
+    for side, s_per_token in (("trainer", 60e-6), ("engine", 2e-6)):
+        scenario = Scenario(engine=engine, trainer=TrainerProfile(s_per_token=s_per_token, layout="padded"),
+                            lengths=LengthModel(mean=48, sigma=0.3), max_lag=max_lag, steps=30, groups_per_step=4,
+                            group_size=4, prompt_tokens=100, max_tokens=64)
+        lags[side] = summary(simulate(scenario).metrics)
+    closed = admission_lag(max_lag, 30)
+    for side, m in lags.items():
+        assert abs(m["lag_in_flight"] + m["lag_in_queue"] - closed) <= 0.06 * max_lag, (side, m, closed)
+    assert lags["trainer"]["trainer_idle"] < 0.05 < 0.5 < lags["engine"]["trainer_idle"]
+    assert lags["trainer"]["lag_in_queue"] >= 0.95 * closed  # generated at once, then waiting
+    assert lags["engine"]["lag_in_flight"] > lags["engine"]["lag_in_queue"]  # the policy moves while it generates
+    assert admission_lag(2, 24) == pytest.approx((1 + 22 * 2) / 23) and admission_lag(0, 5) == 0.0
 
 
 def test_simulate_takes_the_links_bandwidth_and_the_changed_share(capsys):

@@ -168,6 +168,18 @@ def summary(metrics: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def admission_lag(max_lag: int, steps: int) -> float:
+    """The samples' mean lag over a run's steady steps (those `summary` keeps) in closed form.
+
+    The producer starts a sample as soon as the admission rule lets it (the samples ever started
+    may not exceed (v + max_lag + 1) × B once v versions exist), so the samples step s trains
+    started under version max(0, s − max_lag): their lag is min(s, max_lag), whichever of
+    generation and training is slower. Groups that finish out of order, and samples that wait
+    for an engine slot past an update before their first token, lag less."""
+    steady = range(1, steps) if steps > 1 else range(steps)
+    return sum(min(s, max_lag) for s in steady) / len(steady) if steady else 0.0
+
+
 def errors(simulated: dict[str, float], real: dict[str, float]) -> dict[str, float]:
     """How a simulation misses a real run: steps/s in percent of the real figure, trainer idle in
     percentage points (a share, whose relative error means little near 0)."""
