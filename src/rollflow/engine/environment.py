@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from rollflow.config import CONTEXT_CAP, EngineConfig
-from rollflow.errors import ConfigError
+from rollflow.errors import ConfigError, EngineError
 from rollflow.records import SamplingSpec
 from rollflow.scratch import scratch_dir
 
@@ -141,6 +141,7 @@ def sampling_params(sampling: SamplingSpec, deltas: bool = True) -> Any:
         ignore_eos=sampling.ignore_eos,
         seed=sampling.seed,
         logprobs=0,  # the sampled token's log-prob only
+        flat_logprobs=True,  # a few flat lists per request, not a dict and an object per token
         # FINAL_ONLY spares the client one Python round trip per token when nobody watches.
         output_kind=RequestOutputKind.DELTA if deltas else RequestOutputKind.FINAL_ONLY,
         # vLLM matches stop sequences in the text it detokenizes; without any, no text is made.
@@ -148,6 +149,22 @@ def sampling_params(sampling: SamplingSpec, deltas: bool = True) -> Any:
         include_stop_str_in_output=True,
         detokenize=bool(sampling.stop),
     )
+
+
+def sampled_logprobs(token_ids: list[int], entries: Any) -> list[float]:
+    """The sampled tokens' log-probs from vLLM's record of a request's (`sampling_params`):
+    flat lists, where each position's first entry is its sampled token, or one dict per
+    position keyed by token (vLLM's other form)."""
+    from vllm.logprobs import FlatLogprobs
+
+    if entries is None:
+        return []
+    if isinstance(entries, FlatLogprobs):
+        starts = entries.start_indices[: len(token_ids)]
+        if any(entries.token_ids[s] != t for s, t in zip(starts, token_ids, strict=False)):
+            raise EngineError("vLLM's log-probs do not start with the sampled tokens")
+        return [entries.logprobs[s] for s in starts]
+    return [entry[token].logprob for token, entry in zip(token_ids, entries, strict=False)]
 
 
 STEP_TOKENS = 2048

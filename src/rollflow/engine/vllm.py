@@ -50,6 +50,7 @@ from rollflow.engine.environment import (
     engine_args,
     prepare_environment,
     resolve_context,
+    sampled_logprobs,
     sampling_params,
     shut_down,
     shut_down_when_built,
@@ -254,8 +255,7 @@ class VLLMEngine:
                 completion = out.outputs[0]
                 tokens = list(completion.token_ids)
                 produced += len(tokens)
-                entries = completion.logprobs or []
-                logprobs = [entry[token].logprob for token, entry in zip(tokens, entries, strict=False)]
+                logprobs = sampled_logprobs(tokens, completion.logprobs)
                 if len(logprobs) != len(tokens):
                     raise EngineError(f"request {request_id}: {len(tokens)} tokens but {len(logprobs)} log-probs")
                 if completion.finish_reason is None:
@@ -303,8 +303,7 @@ class VLLMEngine:
         tokens = list(state.detokenizer.output_token_ids)
         if not tokens:
             return EngineOutput([], [], versions=[])
-        entries = state.logprobs_processor.logprobs or []
-        logprobs = [entries[i][token].logprob for i, token in enumerate(tokens)]
+        logprobs = sampled_logprobs(tokens, state.logprobs_processor.logprobs)
         adapter_version = self._live[request_id]
         if adapter_version is not None:  # adapters are versioned by name: vLLM's label stays 0
             return EngineOutput(tokens, logprobs, versions=[adapter_version] * len(tokens))
