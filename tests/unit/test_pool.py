@@ -125,6 +125,23 @@ async def test_a_dead_engine_is_taken_out_and_its_requests_finish_elsewhere():
         await pool.check_health()
 
 
+async def test_closing_the_pool_closes_the_engines_taken_out_too():
+    """A remote engine taken out still holds its HTTP session, which only its `aclose` releases."""
+    closed = []
+
+    class Closing(Member):
+        async def aclose(self):
+            closed.append(self.name)
+
+    a, b = Closing("a", token_delay=0.001), Closing("b", token_delay=0.001)
+    pool = EnginePool([a, b])
+    a.dead = True
+    await rollout(pool, Prompt(id="p", token_ids=[1, 2]), SPEC, group_id="g0", index=0, partial="resume")
+    assert [m.name for m, _ in pool.taken_out] == ["a"]
+    await pool.aclose()
+    assert sorted(closed) == ["a", "b"]
+
+
 async def test_an_engine_dying_inside_the_sync_does_not_stall_the_others():
     a, b = Member("a"), Member("b")
     pool = EnginePool([a, b])

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 AFFINITY_ENTRIES = 65536
 """Groups whose engine the pool remembers (the oldest are forgotten first)."""
 
+TAKEN_OUT_CLOSE_S = 10.0
+"""How long closing an engine taken out of the pool may take."""
+
 
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("rollflow_pool_member", default=None)
 """The member whose weight-update critical section the current task runs."""
@@ -79,6 +82,12 @@ class EnginePool:
         for member in self.members:
             with contextlib.suppress(Exception):
                 await member.aclose()
+        # Those taken out too: a dead server's client still holds its connections (bounded: a
+        # server that hangs rather than refuses must not hold up the close).
+        for member, _ in self.taken_out:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(TAKEN_OUT_CLOSE_S):
+                    await member.aclose()
 
     def _place(self, request_id: str) -> Any:
         key = group_key(request_id)
