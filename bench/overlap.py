@@ -2,12 +2,14 @@
 
 Both runs use the same model, prompts, reward, batch and number of steps, with every completion
 exactly `--max-tokens` long (`sampling.ignore_eos`, so the work per step does not change as the
-policy learns), the vLLM engine bound to core 0 and the controller + trainer to core 1 (one thread
-each: on 2 cores, two OpenMP threads per process slow everything down). Steady state is measured
+policy learns), one thread each (on 2 cores, two OpenMP threads per process slow everything down):
+the vLLM engine and the controller's event loop on core 0, the trainer's thread alone on core 1
+(`run.trainer_cpus`); `--loop-core trainer` puts the loop beside the trainer instead. The loop also
+runs vLLM's client-side token processing, which waits on the engine's outputs: beside the engine it
+fills the engine's gaps, beside the trainer it takes the trainer's time. Steady state is measured
 from the end of the first step to the end of the last (engine start and warm-up excluded). Prints
 wall time, trainer idle fraction (waiting for a batch) and engine idle fraction (no request
-generating) for both, the event loop's CPU time (it also runs vLLM's client-side token
-processing, and shares core 1 with the trainer), the speedup, and last
+generating) for both, the event loop's CPU time, the speedup, and last
 `RESULT overlap_speedup=<x> overlap_efficiency=<e> trainer_idle_async=<y> max_tokens=<n>`.
 
 Overlap pays most when generation and training take about the same time, and how long each
@@ -33,7 +35,7 @@ Workloads (`--workload`; the other flags override their sizes):
   lets training keep up with a model this small), 24 steps; about 2 minutes.
 
     bin/dev python bench/overlap.py [--workload smollm2|tiny] [--steps N] [--groups N] [--group-size N]
-        [--max-tokens N] [--system-chars N] [--max-lag 2] [--keep DIR]
+        [--max-tokens N] [--system-chars N] [--max-lag 2] [--loop-core engine|trainer] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +56,8 @@ from rollflow.controller import train
 from rollflow.sim.calibrate import fit_line
 
 ENGINE_CORE, CONTROLLER_CORE = 0, 1
+TRAINER_THREAD = "rollflow-trainer"
+"""The name of the trainer's thread (`rollflow.controller.trainer_thread`)."""
 WORKLOADS = {
     "smollm2": {"preset": "default", "steps": 10, "groups": 2, "group_size": 4, "max_tokens": 96, "system_chars": 23},
     "tiny": {"preset": "tiny", "steps": 24, "groups": 8, "group_size": 4, "max_tokens": 64, "system_chars": 1600},
@@ -63,11 +68,15 @@ which pays for every prompt token while generation prefills it once (prefix cach
 a short one (SmolLM2's: "Answer with the number.") replaces the model's longer default."""
 
 
-def pin(core: int) -> None:
-    """Bind every thread of this process to one core (threads started later inherit it)."""
+def pin(core: int, *, but_trainer: bool = False) -> None:
+    """Bind every thread of this process to one core (threads started later inherit it);
+    `but_trainer`: all but the trainer's thread, which `run.trainer_cpus` binds."""
     if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
         return
+    trainer = {t.native_id for t in threading.enumerate() if but_trainer and t.name.startswith(TRAINER_THREAD)}
     for tid in os.listdir("/proc/self/task"):
+        if int(tid) in trainer:
+            continue
         with contextlib.suppress(OSError):  # a thread that just ended
             os.sched_setaffinity(int(tid), {core})
 
@@ -96,6 +105,7 @@ def config_of(args: argparse.Namespace, max_lag: int = 0) -> Config:
             f"data.system_prompt='{SYSTEM_WORDS[: args.system_chars]}'",
             "run.eval_prompts=0",
             "checkpoint.final_model=false",
+            *([f"run.trainer_cpus=[{CONTROLLER_CORE}]"] if args.loop_core == "engine" else []),
         ],
     )
 
@@ -106,7 +116,10 @@ async def one(max_lag: int, args: argparse.Namespace) -> dict[str, float]:
     cpu_s: list[float] = []
 
     def on_step(_row: dict) -> None:
-        pin(CONTROLLER_CORE)
+        if args.loop_core == "engine":
+            pin(ENGINE_CORE, but_trainer=True)
+        else:
+            pin(CONTROLLER_CORE)
         cpu_s.append(time.thread_time())  # on_step runs on the event loop's thread
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -262,6 +275,11 @@ if __name__ == "__main__":
     )
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument(
+        "--loop-core", choices=("engine", "trainer"), default="engine",
+        help="the core of the controller's event loop (vLLM's client): beside the engine, the trainer "
+        "thread alone on the other core (run.trainer_cpus; default), or beside the trainer",
+    )
+    parser.add_argument(
         "--keep", metavar="DIR", help="keep both runs' output in DIR/synchronous and DIR/asynchronous "
         "(then `python -m rollflow plot DIR/synchronous DIR/asynchronous` draws their timelines)"
     )
@@ -272,7 +290,7 @@ if __name__ == "__main__":
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     # The engine process (spawned at start, while this process sits on core 0) keeps core 0 and
-    # binds its OpenMP thread there; after the first step this process (controller loop and
-    # trainer thread) moves to core 1.
+    # binds its OpenMP thread there; after the first step the controller's loop stays there (or,
+    # with --loop-core trainer, moves to core 1 with the trainer thread).
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(ENGINE_CORE))
     asyncio.run(main(args))
