@@ -65,6 +65,56 @@ def test_chunked_logprobs_and_grads_equal_naive(n, h, v, chunk, settings):
     assert (entropy >= 0).all() and entropy.requires_grad is False
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_bfloat16_backward_keeps_the_log_probs_and_rounds_its_inputs_not_its_logits(temperature):
+    """`backward_dtype=bfloat16` (autocast's): the forward's log-probs and entropies are the float32
+    ones, bit for bit; the gradients are float32's for the inputs rounded to bfloat16, within a
+    fraction of a percent. Each row's top logit here is 40, which bfloat16 holds to a multiple of
+    0.25 (a probability off by up to 13 %): rounding the logits themselves, not each logit minus its
+    row's largest, puts the gradients ~2.7 % off."""
+    n, h, v = 64, 64, 4096
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * 0.7
+    hidden = hidden * (40 * temperature / (hidden @ weight.t()).amax(-1, keepdim=True))
+    probs = torch.softmax(hidden @ weight.t() / temperature, -1)
+    targets = torch.multinomial(probs, 1, generator=g)[:, 0]
+    upstream = torch.randn(n, generator=g)
+    # The head rounds hidden / temperature, so the reference rounds that too.
+    rounded = ((hidden / temperature).bfloat16().float() * temperature, weight.bfloat16().float())
+    results = []
+    for dtype, (x0, w0) in ((None, (hidden, weight)), (torch.bfloat16, (hidden, weight)), (None, rounded)):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        lp, entropy = token_logprobs(x, w, targets, temperature=temperature, chunk=16, backward_dtype=dtype)
+        (lp * upstream).sum().backward()
+        results.append((lp.detach(), entropy, x.grad, w.grad))
+    (lp32, ent32, _, _), (lp16, ent16, gx16, gw16), (_, _, gx_want, gw_want) = results
+    assert torch.equal(lp16, lp32) and torch.equal(ent16, ent32)
+    for name, got, want in (("hidden", gx16, gx_want), ("weight", gw16, gw_want)):
+        error = float((got - want).norm() / want.norm())
+        assert error <= 0.008, f"{name} gradient off by {error:.3g} of its norm"
+    # A truncated distribution keeps float32 in the backward: its support is the forward's.
+    x = hidden.clone().requires_grad_(True)
+    lp, _ = token_logprobs(x, weight, targets, temperature=temperature, top_k=50, backward_dtype=torch.bfloat16)
+    lp.sum().backward()
+    y = hidden.clone().requires_grad_(True)
+    naive_token_logprobs(y, weight, targets, temperature=temperature, top_k=50).sum().backward()
+    assert close(x.grad, y.grad)
+
+
+def test_entropy_is_the_sampling_distributions():
+    hidden, weight, targets = _inputs(9, 8, 30)
+    for settings in ({}, {"temperature": 0.6}, {"top_k": 4}):
+        _, entropy = token_logprobs(hidden, weight, targets, chunk=4, **settings)
+        logits = (hidden @ weight.t()).detach() / settings.get("temperature", 1.0)
+        keep = support_mask(logits, settings.get("top_k", 0), 1.0)
+        if keep is not None:
+            logits = logits.masked_fill(~keep, float("-inf"))
+        p = torch.softmax(logits, -1)
+        want = -(p * p.log().nan_to_num(neginf=0.0)).sum(-1)
+        assert torch.allclose(entropy, want, atol=1e-5 * want.abs().max().item()), settings
+
+
 def test_support_mask_matches_the_top_k_then_top_p_rule():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert support_mask(logits, 0, 1.0) is None

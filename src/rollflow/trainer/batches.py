@@ -39,7 +39,8 @@ class PolicyHead(nn.Module):
         """`chunked` or `fused` (`rollflow.trainer.heads.choose_head`)."""
         self.autocast = autocast
         """The dtype the body computes in under `torch.autocast` (`trainer.autocast`), or None.
-        The head stays in the weights' dtype: bfloat16 logits would round log-probs by ~0.05."""
+        The head's log-probs stay in the weights' dtype (bfloat16 logits would round them by
+        ~0.05); its backward's products take this dtype (`rollflow.loss.token_logprobs`)."""
 
     def forward(
         self,
@@ -67,8 +68,9 @@ class PolicyHead(nn.Module):
         weight = self.lm.get_output_embeddings().weight  # type: ignore[operator]  # (V, H)
         rows = rows.to(weight.dtype)
         return head_logprobs(
-            self.head, rows, weight, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk=self.chunk
-        )
+            self.head, rows, weight, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk=self.chunk,
+            backward_dtype=self.autocast,
+        )  # fmt: skip
 
 
 Layout = Literal["padded", "packed", "shared_prompt"]
