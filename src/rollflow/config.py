@@ -452,7 +452,9 @@ class TrainerConfig(_Section, frozen=True):
 
     autocast: Literal["none", "bfloat16"] = "none"
     """Mixed precision: the model body's matrix products in bfloat16 under `torch.autocast`,
-    the weights, gradients, optimizer and the log-prob head in `dtype`. On a CPU with AMX-BF16
+    the weights, gradients, optimizer and the log-prob head's forward in `dtype`; the head's
+    backward recomputes its logits in bfloat16, each shifted by its token's largest logit so
+    that bfloat16 rounds the small differences, not the logits. On a CPU with AMX-BF16
     (or AVX512-BF16) a step takes about half the time; the trainer's log-probs then differ from a
     float32 engine's by bfloat16's rounding, which the importance-sampling correction
     (`loss.is_mode`) weighs like any other behaviour mismatch."""
