@@ -132,6 +132,11 @@ class GuestThreads:
         running one, whose thread then counts as stuck until it returns."""
         notice = None
         with self._lock:
+            if call.state == "done" and not call.future.cancel() and not call.future.cancelled():
+                # The thread finished as the caller left: an outcome already set is read here
+                # (cancel() marks one still on its way to the loop as nobody's), so a failure
+                # nobody waits for is not reported later by the garbage collector.
+                call.future.exception()
             if call.state == "queued":
                 call.state = "cancelled"
                 self._queued -= 1

@@ -135,3 +135,42 @@ def test_a_process_whose_guest_call_never_returns_exits_without_waiting_for_it()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "abandoned" and time.monotonic() - began < 30
+
+
+async def test_a_call_that_fails_as_its_caller_is_cancelled_leaves_no_unread_exception():
+    """The window between a thread's end and its outcome reaching the loop: the caller is
+    cancelled, the call fails, the thread is done before the loop runs again. Nobody waits for
+    that failure any more, and it must not surface later as asyncio's "exception was never
+    retrieved" from the garbage collector (inside whatever runs then)."""
+    import gc
+
+    loop = asyncio.get_running_loop()
+    reported: list[str] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    pool = GuestThreads(size=1)
+    go = threading.Event()
+
+    def fails():
+        go.wait(10)
+        raise RuntimeError("late")
+
+    task = asyncio.create_task(pool.call(fails, timeout_s=None, name="fails"))
+    while pool._busy == 0:  # the call has started and its caller waits for the outcome
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    # One stretch with the loop held: cancel, let the call fail, wait until its thread is done.
+    task.cancel()
+    go.set()
+    deadline = time.monotonic() + 10
+    while pool._busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool._busy == 0
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.05)  # the outcome reaches the loop
+    assert await pool.call(lambda: 1, timeout_s=5, name="next") == 1  # the thread lets the old call go
+    del task
+    gc.collect()
+    await asyncio.sleep(0)
+    loop.set_exception_handler(None)
+    assert not [m for m in reported if "never retrieved" in m], reported
