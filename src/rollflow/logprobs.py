@@ -11,6 +11,8 @@ use its fused linear + cross-entropy kernel instead (`rollflow.trainer.heads`).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 DEFAULT_CHUNK = 128
@@ -41,13 +43,22 @@ def support_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
 
 
 def _chunk_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, top_k: int, top_p: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    buffers: _Buffers | None = None,
 ) -> torch.Tensor:
     """Sampling-distribution logits of one chunk, (c, V) float32; truncated entries are -inf.
 
-    Works in place on the one (c, V) buffer it allocates.
+    Works in place on one (c, V) buffer: `buffers`' logits when given (float32 inputs), else
+    one it allocates.
     """
-    logits = (hidden @ weight.t()).float()  # (c, V)
+    if buffers is not None and hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        logits = torch.mm(hidden, weight.t(), out=buffers.take("logits", hidden.shape[0]))
+    else:
+        logits = (hidden @ weight.t()).float()  # (c, V)
     if temperature != 1.0:
         logits.div_(temperature)
     keep = support_mask(logits, top_k, top_p)
@@ -64,6 +75,24 @@ def _softmax_(logits: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, to
     return probs.div_(total), total
 
 
+class _Buffers:
+    """(chunk, V) buffers that a pass's chunks share, one per role, so each chunk writes into
+    memory the last one used instead of allocating anew: a fresh 25 MB tensor is fresh pages
+    to fault in (and, above the C allocator's threshold, mapped and unmapped each time), which
+    cost as much as the exp that filled it."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        self.rows, self.vocab, self.device = rows, vocab, device
+        self._held: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The first `rows` rows of `role`'s buffer (contiguous), made on first use."""
+        held = self._held.get(role)
+        if held is None or held.dtype != dtype:
+            held = self._held[role] = torch.empty(self.rows, self.vocab, dtype=dtype, device=self.device)
+        return held[:rows]
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """log p(target) per token, chunk by chunk; backward recomputes each chunk's logits.
 
@@ -78,20 +107,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
         entropy = torch.empty_like(out)
         tops = torch.empty_like(out)
+        buffers = _Buffers(min(chunk, hidden.shape[0]), weight.shape[0], hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
-            logits = _chunk_logits(hidden[start:end], weight, temperature, top_k, top_p)  # (c, V)
+            logits = _chunk_logits(hidden[start:end], weight, temperature, top_k, top_p, buffers)  # (c, V)
             top = logits.amax(dim=-1, keepdim=True)  # (c, 1)
             tops[start:end] = top.squeeze(-1)
             target = logits.gather(-1, targets[start:end, None]) - top  # (c, 1)
             shifted = logits.sub_(top)  # z = logits - top, in place
-            exp = shifted.exp()
+            exp = torch.exp(shifted, out=buffers.take("exp", end - start))
             total = exp.sum(dim=-1, keepdim=True)  # (c, 1)
             out[start:end] = (target - total.log()).squeeze(-1)
-            # H = -sum p log p = log S - sum(e^z z) / S, with p = e^z / S (-inf z: e^z z = 0).
-            weighted = torch.linalg.vecdot(exp, shifted.nan_to_num_(neginf=0.0))
+            # H = -sum p log p = log S - sum(e^z z) / S, with p = e^z / S (-inf z: e^z z = 0);
+            # the product in z's buffer.
+            weighted = shifted.nan_to_num_(neginf=0.0).mul_(exp).sum(dim=-1)
             entropy[start:end] = total.squeeze(-1).log() - weighted / total.squeeze(-1)
-            del logits, shifted, exp  # free this chunk before the next one is allocated
+            del logits, shifted, exp
         ctx.save_for_backward(hidden, weight, targets, tops)
         ctx.settings = (temperature, top_k, top_p, chunk, backward_dtype)
         ctx.mark_non_differentiable(entropy)
@@ -105,14 +136,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         narrow = None
         if backward_dtype is not None and backward_dtype != weight.dtype and top_k <= 0 and top_p >= 1.0:
-            narrow = _NarrowHead(weight, backward_dtype)
+            narrow = _NarrowHead.of(weight, backward_dtype)
+        buffers = _Buffers(min(chunk, hidden.shape[0]), weight.shape[0], hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
             h = hidden[start:end]
             if narrow is not None:
-                grad_logits = narrow.softmax(h, tops[start:end], temperature)
+                grad_logits = narrow.softmax(h, tops[start:end], temperature, buffers)
             else:
-                logits = _chunk_logits(h, weight, temperature, top_k, top_p)  # (c, V)
+                logits = _chunk_logits(h, weight, temperature, top_k, top_p, buffers)  # (c, V)
                 grad_logits, _ = _softmax_(logits, logits.amax(dim=-1, keepdim=True))
             # d log p(y) / d logits = onehot(y) - softmax, times the upstream grad and 1/T; built
             # in place in the softmax's buffer.
@@ -120,7 +152,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_logits.scatter_add_(-1, targets[start:end, None], torch.ones_like(grad_logits[:, :1]))
             grad_logits.mul_((grad_out[start:end] / temperature)[:, None])
             if grad_hidden is not None:
-                grad_hidden[start:end] = narrow.grad_hidden(grad_logits) if narrow else grad_logits.to(h.dtype) @ weight
+                if narrow is not None:
+                    grad_hidden[start:end] = narrow.grad_hidden(grad_logits, buffers)
+                else:
+                    grad_hidden[start:end] = grad_logits.to(h.dtype) @ weight
             if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.to(h.dtype).t(), h)  # no (V, H) temporary
             del grad_logits  # free this chunk before the next one is allocated
@@ -142,24 +177,43 @@ class _NarrowHead:
     """Columns the shifted product's inner dimension gains (one used): matrix kernels like it a
     multiple of 32."""
 
+    _last: _NarrowHead | None = None
+    """The last one made: the micro-batches of one optimizer step share a weight, so each
+    backward after the first reuses its copy (one (V, H) bfloat16 copy kept between steps)."""
+
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         vocab, width = weight.shape
         self.width, self.dtype = width, dtype
-        self.weight = torch.zeros(vocab, width + self.PAD, dtype=dtype, device=weight.device)
+        self.source, self.version = weakref.ref(weight), weight._version
+        self.weight = torch.empty(vocab, width + self.PAD, dtype=dtype, device=weight.device)
         self.weight[:, :width] = weight.detach()
         self.weight[:, width] = 1.0
+        self.weight[:, width + 1 :] = 0.0
 
-    def softmax(self, hidden: torch.Tensor, top: torch.Tensor, temperature: float) -> torch.Tensor:
-        """softmax(hidden @ weight.T / temperature) of one chunk, (c, V) float32."""
-        rows = torch.zeros(hidden.shape[0], self.width + self.PAD, dtype=self.dtype, device=hidden.device)
+    @classmethod
+    def of(cls, weight: torch.Tensor, dtype: torch.dtype) -> _NarrowHead:
+        """The narrow copy of `weight` as it is now: the last one made while `weight` is the same
+        tensor, unchanged since (its in-place version counter), and in `dtype`; else a new one."""
+        last = cls._last
+        if last is None or last.source() is not weight or last.version != weight._version or last.dtype != dtype:
+            cls._last = None  # the old copy goes before the new one is made
+            last = cls._last = cls(weight, dtype)
+        return last
+
+    def softmax(self, hidden: torch.Tensor, top: torch.Tensor, temperature: float, buffers: _Buffers) -> torch.Tensor:
+        """softmax(hidden @ weight.T / temperature) of one chunk, (c, V) float32, in `buffers`."""
+        count = hidden.shape[0]
+        rows = torch.zeros(count, self.width + self.PAD, dtype=self.dtype, device=hidden.device)
         rows[:, : self.width] = hidden.detach() / temperature if temperature != 1.0 else hidden.detach()
         rows[:, self.width] = -top
-        probs = (rows @ self.weight.t()).float().exp_()  # (c, V), the largest entry of a row ~1
+        narrow = torch.mm(rows, self.weight.t(), out=buffers.take("narrow", count, self.dtype))
+        probs = buffers.take("probs", count).copy_(narrow).exp_()  # (c, V), the largest entry of a row ~1
         return probs.div_(probs.sum(dim=-1, keepdim=True))
 
-    def grad_hidden(self, grad_logits: torch.Tensor) -> torch.Tensor:
+    def grad_hidden(self, grad_logits: torch.Tensor, buffers: _Buffers) -> torch.Tensor:
         """grad_logits (c, V) @ weight, (c, H), in float32 out of a narrow product."""
-        return (grad_logits.to(self.dtype) @ self.weight[:, : self.width]).float()
+        narrow = buffers.take("narrow", grad_logits.shape[0], self.dtype).copy_(grad_logits)
+        return (narrow @ self.weight[:, : self.width]).float()
 
 
 def token_logprobs(

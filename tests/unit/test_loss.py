@@ -102,6 +102,31 @@ def test_a_bfloat16_backward_keeps_the_log_probs_and_rounds_its_inputs_not_its_l
     assert close(x.grad, y.grad)
 
 
+def test_a_bfloat16_backward_after_an_in_place_update_uses_the_updated_weight():
+    """The backward's bfloat16 copy of the head is made once per weight version: the micro-batches
+    of one step share it; an optimizer's in-place step, or another tensor, makes a new one."""
+    from rollflow.logprobs import _NarrowHead
+
+    hidden, weight, targets = _inputs(32, 32, 512, seed=4)
+
+    def hidden_grad(w: torch.Tensor) -> torch.Tensor:
+        x = hidden.detach().clone().requires_grad_(True)
+        lp, _ = token_logprobs(x, w, targets, chunk=8, backward_dtype=torch.bfloat16)
+        lp.sum().backward()
+        return x.grad
+
+    w = weight.detach().clone().requires_grad_(True)
+    first = hidden_grad(w)
+    copy = _NarrowHead._last
+    assert torch.equal(hidden_grad(w), first) and _NarrowHead._last is copy
+    with torch.no_grad():
+        w.mul_(-1.5)  # as an optimizer's step: in place, the same tensor
+    after = hidden_grad(w)
+    assert _NarrowHead._last is not copy
+    assert torch.equal(after, hidden_grad(w.detach().clone().requires_grad_(True)))
+    assert not close(after, first)
+
+
 def test_entropy_is_the_sampling_distributions():
     hidden, weight, targets = _inputs(9, 8, 30)
     for settings in ({}, {"temperature": 0.6}, {"top_k": 4}):
