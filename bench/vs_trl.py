@@ -23,9 +23,11 @@ time / rollflow's (`_step`), and rollflow's tokens per second / TRL's (`_token`)
 
     bin/dev python bench/vs_trl.py [--models tiny,smollm2] [--steps N] [--keep DIR] [--precision bf16]
 
-`--precision bf16` runs both trainers in bfloat16 mixed precision (float32 weights and
-optimizer; TRL's `bf16=True`, rollflow's `trainer.autocast = "bfloat16"`); the engines as
-they are (vLLM in float32 on rollflow's side, TRL's own generation on its side).
+`--precision bf16` runs both sides in bfloat16 mixed precision, generation included: TRL's
+`bf16=True` (float32 weights and optimizer; its model's forward, and so its `generate`, under
+bfloat16 autocast), rollflow's `trainer.autocast = "bfloat16"` with the engine holding its copy
+of the weights in bfloat16 (`model.dtype`; each push cast on the way in, the fingerprint
+checked in that dtype). float32, the default, runs everything in float32.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ async def run_rollflow(
             "engine.threads=1",
             "run.eval_prompts=0",
             "checkpoint.final_model=false",
-            *(["trainer.autocast=bfloat16"] if precision == "bf16" else []),
+            *(["trainer.autocast=bfloat16", "model.dtype=bfloat16"] if precision == "bf16" else []),
         ],
     )
     pin(ENGINE_CORE)  # the engine process spawned at start inherits this core
@@ -199,7 +201,7 @@ if __name__ == "__main__":
     parser.add_argument("--keep", default=None, help="keep rollflow's run folders here")
     parser.add_argument(
         "--precision", choices=["float32", "bf16"], default="float32",
-        help="bf16: both trainers in bfloat16 mixed precision (TRL's bf16=True, rollflow's trainer.autocast), "
-        "float32 weights and optimizer on both sides",
+        help="bf16: both sides in bfloat16 mixed precision, generation included (TRL's bf16=True; rollflow's "
+        "trainer.autocast and a bfloat16 engine), float32 weights and optimizer on both sides",
     )
     asyncio.run(main(parser.parse_args()))

@@ -204,3 +204,25 @@ def _in_session(pid: str, session: int) -> bool:
     except OSError:
         return False
     return fields[0] != "Z" and int(fields[4]) == session  # state, ..., session id
+
+
+async def test_a_bfloat16_engine_beside_a_float32_trainer_holds_each_update(tmp_path):
+    """model.dtype = bfloat16 with a float32 trainer (bench/vs_trl.py --precision bf16): every push is
+    cast as the engine loads it and checked against its fingerprint in bfloat16 (a mismatch fails
+    the update); a synchronous run's samples all come from the weights just pushed."""
+    config = load_config(
+        preset="tiny",
+        overrides=[
+            "run.max_lag=0",
+            "run.max_steps=3",
+            "model.dtype=bfloat16",
+            "trainer.autocast=bfloat16",
+            "engine.linear_layout=staged",
+        ],
+    )
+    result = await Controller(config, tmp_path).run()
+    assert result.steps == 3
+    for m in result.metrics:
+        assert m["lag_max"] == 0 and m["engine_restarts"] == 0
+        # The engine samples from the weights rounded to bfloat16: ratios near 1, not exactly 1.
+        assert 0.5 < m["ratio_min"] <= m["ratio_max"] < 2.0

@@ -63,6 +63,13 @@ HARMLESS: list[tuple[str, str, str]] = [
         "vLLM's compile cache could not be reused and the model is compiled again, as on a first start",
     ),
     ("torch._library.triton", "Triton not available", "vLLM scans for Triton kernels; there are none on CPU"),
+    (
+        "vllm.model_executor.models.utils",
+        "Attempted to load weight",
+        "an engine in a narrower dtype than the trainer's (model.dtype = bfloat16 beside a float32 "
+        "trainer) casts each pushed tensor as it loads it, once per tensor and update; the cast is "
+        "what model.dtype asks for, and the update's fingerprint is checked in the engine's dtype",
+    ),
 ]
 
 REDUCE_OP = "`torch.distributed.reduce_op` is deprecated"
