@@ -86,11 +86,10 @@ class _Buffers:
         self._held: dict[str, torch.Tensor] = {}
 
     def take(self, role: str, rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The first `rows` rows of `role`'s buffer (contiguous), made on first use."""
-        held = self._held.get(role)
-        if held is None or held.dtype != dtype:
-            held = self._held[role] = torch.empty(self.rows, self.vocab, dtype=dtype, device=self.device)
-        return held[:rows]
+        """The first `rows` rows of `role`'s buffer (contiguous), made in `dtype` on first use."""
+        if role not in self._held:
+            self._held[role] = torch.empty(self.rows, self.vocab, dtype=dtype, device=self.device)
+        return self._held[role][:rows]
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -122,7 +121,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             # the product in z's buffer.
             weighted = shifted.nan_to_num_(neginf=0.0).mul_(exp).sum(dim=-1)
             entropy[start:end] = total.squeeze(-1).log() - weighted / total.squeeze(-1)
-            del logits, shifted, exp
+            del logits, shifted, exp  # a chunk not in `buffers` goes before the next is allocated
         ctx.save_for_backward(hidden, weight, targets, tops)
         ctx.settings = (temperature, top_k, top_p, chunk, backward_dtype)
         ctx.mark_non_differentiable(entropy)
