@@ -86,10 +86,14 @@ class _Buffers:
         self._held: dict[str, torch.Tensor] = {}
 
     def take(self, role: str, rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The first `rows` rows of `role`'s buffer (contiguous), made in `dtype` on first use."""
+        """The first `rows` rows of `role`'s (chunk, V) buffer (contiguous), made in `dtype` on first use."""
+        return self.scratch(role, (self.rows, self.vocab), dtype)[:rows]
+
+    def scratch(self, role: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """`role`'s buffer, made in `shape` and `dtype` on first use."""
         if role not in self._held:
-            self._held[role] = torch.empty(self.rows, self.vocab, dtype=dtype, device=self.device)
-        return self._held[role][:rows]
+            self._held[role] = torch.empty(shape, dtype=dtype, device=self.device)
+        return self._held[role]
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -97,23 +101,28 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     Peak extra memory is a few (chunk × vocab) buffers plus the LM-head gradient, instead of
     several (tokens × vocab) tensors. With a `backward_dtype` (bfloat16 under autocast) the
-    backward's recomputed logits and the hidden states' gradient are products in that dtype; the
-    forward, whose log-probs the importance ratio takes, stays in the weights' dtype.
+    backward's products are in that dtype; the forward, whose log-probs the importance ratio
+    takes, stays in the weights' dtype unless a `forward_dtype` is given (`_NarrowHead`).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk, backward_dtype):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk, backward_dtype, forward_dtype):  # type: ignore[override]
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
         entropy = torch.empty_like(out)
         tops = torch.empty_like(out)
         buffers = _Buffers(min(chunk, hidden.shape[0]), weight.shape[0], hidden.device)
+        narrow = _NarrowHead.when(weight, forward_dtype, top_k, top_p)
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
-            logits = _chunk_logits(hidden[start:end], weight, temperature, top_k, top_p, buffers)  # (c, V)
-            top = logits.amax(dim=-1, keepdim=True)  # (c, 1)
+            if narrow is not None:  # z = logits - top straight out of the shifted product
+                shifted, top = narrow.shifted(hidden[start:end], None, temperature, buffers, "logits")
+                target = shifted.gather(-1, targets[start:end, None])  # (c, 1)
+            else:
+                shifted = _chunk_logits(hidden[start:end], weight, temperature, top_k, top_p, buffers)  # (c, V)
+                top = shifted.amax(dim=-1, keepdim=True)  # (c, 1)
+                target = shifted.gather(-1, targets[start:end, None]) - top  # (c, 1)
+                shifted.sub_(top)  # z = logits - top, in place
             tops[start:end] = top.squeeze(-1)
-            target = logits.gather(-1, targets[start:end, None]) - top  # (c, 1)
-            shifted = logits.sub_(top)  # z = logits - top, in place
             exp = torch.exp(shifted, out=buffers.take("exp", end - start))
             total = exp.sum(dim=-1, keepdim=True)  # (c, 1)
             out[start:end] = (target - total.log()).squeeze(-1)
@@ -121,7 +130,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             # the product in z's buffer.
             weighted = shifted.nan_to_num_(neginf=0.0).mul_(exp).sum(dim=-1)
             entropy[start:end] = total.squeeze(-1).log() - weighted / total.squeeze(-1)
-            del logits, shifted, exp  # a chunk not in `buffers` goes before the next is allocated
+            del shifted, exp  # a chunk not in `buffers` goes before the next is allocated
         ctx.save_for_backward(hidden, weight, targets, tops)
         ctx.settings = (temperature, top_k, top_p, chunk, backward_dtype)
         ctx.mark_non_differentiable(entropy)
@@ -133,9 +142,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         temperature, top_k, top_p, chunk, backward_dtype = ctx.settings
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        narrow = None
-        if backward_dtype is not None and backward_dtype != weight.dtype and top_k <= 0 and top_p >= 1.0:
-            narrow = _NarrowHead.of(weight, backward_dtype)
+        narrow = _NarrowHead.when(weight, backward_dtype, top_k, top_p)
         buffers = _Buffers(min(chunk, hidden.shape[0]), weight.shape[0], hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
@@ -150,35 +157,46 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_logits.neg_()
             grad_logits.scatter_add_(-1, targets[start:end, None], torch.ones_like(grad_logits[:, :1]))
             grad_logits.mul_((grad_out[start:end] / temperature)[:, None])
-            if grad_hidden is not None:
-                if narrow is not None:
-                    grad_hidden[start:end] = narrow.grad_hidden(grad_logits, buffers)
-                else:
+            if narrow is not None:
+                narrowed = narrow.narrowed(grad_logits, buffers)
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = narrow.grad_hidden(narrowed)
+                if grad_weight is not None:
+                    narrow.add_grad_weight(grad_weight, narrowed, h, buffers)
+            else:
+                if grad_hidden is not None:
                     grad_hidden[start:end] = grad_logits.to(h.dtype) @ weight
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.to(h.dtype).t(), h)  # no (V, H) temporary
+                if grad_weight is not None:
+                    grad_weight.addmm_(grad_logits.to(h.dtype).t(), h)  # no (V, H) temporary
             del grad_logits  # free this chunk before the next one is allocated
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 class _NarrowHead:
-    """The backward's LM-head products in a narrow dtype (bfloat16), for one backward pass.
+    """The LM head's products in a narrow dtype (bfloat16): the backward's, and with a
+    `forward_dtype` the forward's too.
 
-    The logits are recomputed already shifted by each token's largest logit (saved by the
-    forward): the weight matrix gains a column of ones and the hidden states one of -top, so the
-    product, accumulated in float32 inside the kernel, rounds z = logit - top, not the logit
-    itself. The tokens that carry the softmax's mass have z near 0, where bfloat16 is finest
-    (a rounding of 2^-9 instead of a logit of 20's 2^-4). The weight's gradient stays a product
-    in the weights' dtype: added up chunk by chunk, a narrow product per chunk would cost its
-    rounding and a full (V, H) addition each time."""
+    The logits are computed already shifted by each token's largest logit: the weight matrix
+    gains a column of ones and the hidden states one of -top, so the product, accumulated in
+    float32 inside the kernel, rounds z = logit - top, not the logit itself. The tokens that
+    carry the softmax's mass have z near 0, where bfloat16 is finest (a rounding of 2^-9 instead
+    of a logit of 20's 2^-4). The backward takes the top the forward saved; a narrow forward
+    finds it first with an unshifted product (any shift common to a row cancels, so an
+    approximate top costs nothing but z's range). The weight's gradient is a narrow product per
+    chunk and per slice of the vocabulary, added into the float32 gradient (rounded once per
+    chunk, as autocast rounds any layer's)."""
 
     PAD = 32
     """Columns the shifted product's inner dimension gains (one used): matrix kernels like it a
     multiple of 32."""
 
+    SLICE = 2048
+    """Vocabulary rows of the weight gradient per narrow product: a (2048, H) product and its
+    float32 copy stay small and in cache on their way into the gradient."""
+
     _last: _NarrowHead | None = None
-    """The last one made: the micro-batches of one optimizer step share a weight, so each
-    backward after the first reuses its copy (one (V, H) bfloat16 copy kept between steps)."""
+    """The last one made: the passes of one optimizer step share a weight, so each pass after the
+    first reuses its copy (one (V, H) bfloat16 copy kept between steps)."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         vocab, width = weight.shape
@@ -190,6 +208,14 @@ class _NarrowHead:
         self.weight[:, width + 1 :] = 0.0
 
     @classmethod
+    def when(cls, weight: torch.Tensor, dtype: torch.dtype | None, top_k: int, top_p: float) -> _NarrowHead | None:
+        """The narrow head to use for `weight` in `dtype`, or None: no dtype, the weights' own, or a
+        truncated distribution (top-k / top-p), whose support the weights' precision decides."""
+        if dtype is None or dtype == weight.dtype or top_k > 0 or top_p < 1.0:
+            return None
+        return cls.of(weight, dtype)
+
+    @classmethod
     def of(cls, weight: torch.Tensor, dtype: torch.dtype) -> _NarrowHead:
         """The narrow copy of `weight` as it is now: the last one made while `weight` is the same
         tensor, unchanged since (its in-place version counter), and in `dtype`; else a new one."""
@@ -199,20 +225,46 @@ class _NarrowHead:
             last = cls._last = cls(weight, dtype)
         return last
 
-    def softmax(self, hidden: torch.Tensor, top: torch.Tensor, temperature: float, buffers: _Buffers) -> torch.Tensor:
-        """softmax(hidden @ weight.T / temperature) of one chunk, (c, V) float32, in `buffers`."""
+    def shifted(
+        self, hidden: torch.Tensor, top: torch.Tensor | None, temperature: float, buffers: _Buffers, role: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z = hidden @ weight.T / temperature - top, (c, V) float32 in `role`'s buffer; top, (c, 1)
+        float32). Without a `top`, an unshifted product's row maxima are the top."""
         count = hidden.shape[0]
         rows = torch.zeros(count, self.width + self.PAD, dtype=self.dtype, device=hidden.device)
         rows[:, : self.width] = hidden.detach() / temperature if temperature != 1.0 else hidden.detach()
-        rows[:, self.width] = -top
-        narrow = torch.mm(rows, self.weight.t(), out=buffers.take("narrow", count, self.dtype))
-        probs = buffers.take("probs", count).copy_(narrow).exp_()  # (c, V), the largest entry of a row ~1
+        narrow = buffers.take("narrow", count, self.dtype)
+        if top is None:
+            top = torch.mm(rows, self.weight.t(), out=narrow).amax(dim=-1, keepdim=True).float()
+        rows[:, self.width] = -top.reshape(-1)
+        torch.mm(rows, self.weight.t(), out=narrow)
+        return buffers.take(role, count).copy_(narrow), top.reshape(-1, 1)
+
+    def softmax(self, hidden: torch.Tensor, top: torch.Tensor, temperature: float, buffers: _Buffers) -> torch.Tensor:
+        """softmax(hidden @ weight.T / temperature) of one chunk, (c, V) float32, in `buffers`."""
+        probs, _ = self.shifted(hidden, top, temperature, buffers, "probs")
+        probs.exp_()  # the largest entry of a row ~1
         return probs.div_(probs.sum(dim=-1, keepdim=True))
 
-    def grad_hidden(self, grad_logits: torch.Tensor, buffers: _Buffers) -> torch.Tensor:
-        """grad_logits (c, V) @ weight, (c, H), in float32 out of a narrow product."""
-        narrow = buffers.take("narrow", grad_logits.shape[0], self.dtype).copy_(grad_logits)
+    def narrowed(self, grad_logits: torch.Tensor, buffers: _Buffers) -> torch.Tensor:
+        """grad_logits (c, V) in the narrow dtype, in `buffers`."""
+        return buffers.take("narrow", grad_logits.shape[0], self.dtype).copy_(grad_logits)
+
+    def grad_hidden(self, narrow: torch.Tensor) -> torch.Tensor:
+        """narrow grad_logits (c, V) @ weight, (c, H), in float32 out of a narrow product."""
         return (narrow @ self.weight[:, : self.width]).float()
+
+    def add_grad_weight(
+        self, grad_weight: torch.Tensor, narrow: torch.Tensor, hidden: torch.Tensor, buffers: _Buffers
+    ) -> None:
+        """grad_weight (V, H) += narrow grad_logits (c, V).T @ hidden (c, H), slice by slice."""
+        rows = hidden.detach().to(self.dtype)
+        product = buffers.scratch("weight_grad", (self.SLICE, self.width), self.dtype)
+        wide = buffers.scratch("weight_grad_wide", (self.SLICE, self.width), grad_weight.dtype)
+        for v0 in range(0, grad_weight.shape[0], self.SLICE):
+            v1 = min(v0 + self.SLICE, grad_weight.shape[0])
+            torch.mm(narrow[:, v0:v1].t(), rows, out=product[: v1 - v0])
+            grad_weight[v0:v1].add_(wide[: v1 - v0].copy_(product[: v1 - v0]))
 
 
 def token_logprobs(
@@ -225,21 +277,26 @@ def token_logprobs(
     top_p: float = 1.0,
     chunk: int = DEFAULT_CHUNK,
     backward_dtype: torch.dtype | None = None,
+    forward_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of `targets` and (detached) entropies, without full logits.
 
     hidden: (N, H) final hidden states; weight: (V, H) LM head; targets: (N,) token ids.
     Returns (logprobs (N,), entropy (N,)) in float32 under the sampling distribution:
     softmax(logits / temperature) renormalised over the top-k / top-p support.
-    `backward_dtype` (e.g. bfloat16, as under autocast): the backward's recomputed logits and
-    hidden-state gradient as products in that dtype (not with top-k / top-p, whose support the
-    forward's precision decides); the log-probs themselves are unchanged.
+    `backward_dtype` (e.g. bfloat16, as under autocast): the backward's products (the recomputed
+    logits, the gradients of the hidden states and of the weight) in that dtype; the log-probs
+    themselves are unchanged. `forward_dtype`: the forward's logits as products in that dtype
+    too, each shifted by its row's largest logit, which rounds the log-probs by about bfloat16's
+    rounding of the inputs. Neither applies with top-k / top-p, whose support the weights'
+    precision decides.
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0 to score tokens (greedy samples have no distribution)")
     return _ChunkedLogprobs.apply(
-        hidden, weight, targets, float(temperature), int(top_k), float(top_p), int(chunk), backward_dtype
-    )
+        hidden, weight, targets, float(temperature), int(top_k), float(top_p), int(chunk), backward_dtype,
+        forward_dtype,
+    )  # fmt: skip
 
 
 def naive_token_logprobs(

@@ -102,6 +102,43 @@ def test_a_bfloat16_backward_keeps_the_log_probs_and_rounds_its_inputs_not_its_l
     assert close(x.grad, y.grad)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_bfloat16_forward_rounds_its_inputs_not_its_logits(temperature):
+    """`forward_dtype=bfloat16` (`trainer.autocast_head`): the log-probs are float32's for the
+    inputs rounded to bfloat16, to within 0.02 (the shifted product rounds each logit minus its
+    row's largest); bfloat16 logits rounded whole are ~0.1 off here (top logits of 40). The
+    entropies follow, and the gradients keep the bfloat16 backward's bound though the forward's
+    row maxima, which the backward shifts by, are themselves bfloat16 products."""
+    n, h, v = 64, 64, 4096
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * 0.7
+    hidden = hidden * (40 * temperature / (hidden @ weight.t()).amax(-1, keepdim=True))
+    targets = torch.multinomial(torch.softmax(hidden @ weight.t() / temperature, -1), 1, generator=g)[:, 0]
+    upstream = torch.randn(n, generator=g)
+    rounded = ((hidden / temperature).bfloat16().float() * temperature, weight.bfloat16().float())
+    results = []
+    for dtype, (x0, w0) in ((torch.bfloat16, (hidden, weight)), (None, rounded)):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        lp, entropy = token_logprobs(
+            x, w, targets, temperature=temperature, chunk=16, backward_dtype=dtype, forward_dtype=dtype
+        )
+        (lp * upstream).sum().backward()
+        results.append((lp.detach(), entropy, x.grad, w.grad))
+    (lp16, ent16, gx16, gw16), (lp_want, ent_want, gx_want, gw_want) = results
+    assert (lp16 - lp_want).abs().max().item() <= 0.02
+    whole = (hidden / temperature).bfloat16() @ weight.bfloat16().t()  # the logits rounded whole
+    assert (torch.log_softmax(whole.float(), -1).gather(-1, targets[:, None])[:, 0] - lp_want).abs().max() > 0.05
+    assert (ent16 - ent_want).abs().max().item() <= 0.02
+    for name, got, want in (("hidden", gx16, gx_want), ("weight", gw16, gw_want)):
+        error = float((got - want).norm() / want.norm())
+        assert error <= 0.008, f"{name} gradient off by {error:.3g} of its norm"
+    # A truncated distribution keeps the float32 forward, bit for bit.
+    exact, _ = token_logprobs(hidden, weight, targets, temperature=temperature, top_k=50)
+    narrow, _ = token_logprobs(hidden, weight, targets, temperature=temperature, top_k=50, forward_dtype=torch.bfloat16)
+    assert torch.equal(narrow, exact)
+
+
 def test_a_bfloat16_backward_after_an_in_place_update_uses_the_updated_weight():
     """The backward's bfloat16 copy of the head is made once per weight version: the micro-batches
     of one step share it; an optimizer's in-place step, or another tensor, makes a new one."""
