@@ -84,6 +84,13 @@ def test_a_cosine_schedule_without_its_length_is_refused_naming_the_key():
     assert load_config(overrides=["trainer.schedule=cosine", "trainer.total_steps=20"]).trainer.total_steps == 20
 
 
+def test_a_bfloat16_head_without_autocast_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"trainer\.autocast_head: only used with trainer\.autocast"):
+        load_config(preset="tiny", overrides=["trainer.autocast_head=true"])
+    config = load_config(preset="tiny", overrides=["trainer.autocast_head=true", "trainer.autocast=bfloat16"])
+    assert config.trainer.autocast_head
+
+
 async def test_greedy_sampling_is_refused_for_training_before_anything_is_written(tmp_path):
     from rollflow.controller import Controller
 

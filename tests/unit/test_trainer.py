@@ -297,3 +297,19 @@ def test_bfloat16_autocast_computes_the_body_in_bfloat16_and_keeps_float32_weigh
     after = params(mixed)
     assert all(t.dtype == torch.float32 for t in after.values())
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_bfloat16_head_scores_as_the_float32_head_up_to_bfloat16s_rounding(make_batch):
+    """`trainer.autocast_head`: the head's forward is a bfloat16 product too (the log-probs move,
+    by less than bfloat16 logits rounded whole would move them), and a step still trains."""
+    mixed = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3, autocast="bfloat16"))
+    narrow = Trainer(tiny_model_path(0), TrainerConfig(lr=1e-3, autocast="bfloat16", autocast_head=True))
+    batch = make_batch(mixed, temperature=1.0)
+    want = torch.tensor([x for lp in mixed.score(batch.samples) for x in lp])
+    got = torch.tensor([x for lp in narrow.score(batch.samples) for x in lp])
+    gap = (got - want).abs().max().item()
+    assert 0 < gap <= 0.02 * max(1.0, want.abs().max().item()), gap
+    before = params(narrow)
+    metrics = narrow.step(batch)
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert any(not torch.equal(before[k], v) for k, v in params(narrow).items())

@@ -31,7 +31,14 @@ class PolicyHead(nn.Module):
     custom log-prob function exactly as for any other layer.
     """
 
-    def __init__(self, lm: nn.Module, chunk: int, head: Head = "chunked", autocast: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        lm: nn.Module,
+        chunk: int,
+        head: Head = "chunked",
+        autocast: torch.dtype | None = None,
+        autocast_head: bool = False,
+    ) -> None:
         super().__init__()
         self.lm = lm
         self.chunk = chunk
@@ -39,8 +46,10 @@ class PolicyHead(nn.Module):
         """`chunked` or `fused` (`rollflow.trainer.heads.choose_head`)."""
         self.autocast = autocast
         """The dtype the body computes in under `torch.autocast` (`trainer.autocast`), or None.
-        The head's log-probs stay in the weights' dtype (bfloat16 logits would round them by
-        ~0.05); its backward's products take this dtype (`rollflow.loss.token_logprobs`)."""
+        The head's backward's products take this dtype (`rollflow.loss.token_logprobs`); its
+        log-probs stay in the weights' dtype (bfloat16 logits would round them by ~0.05) unless
+        `autocast_head`, which makes the forward's products shifted ones in this dtype too."""
+        self.autocast_head = autocast_head
 
     def forward(
         self,
@@ -69,7 +78,7 @@ class PolicyHead(nn.Module):
         rows = rows.to(weight.dtype)
         return head_logprobs(
             self.head, rows, weight, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk=self.chunk,
-            backward_dtype=self.autocast,
+            backward_dtype=self.autocast, forward_dtype=self.autocast if self.autocast_head else None,
         )  # fmt: skip
 
 

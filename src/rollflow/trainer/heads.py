@@ -66,16 +66,17 @@ def head_logprobs(
     top_p: float,
     chunk: int,
     backward_dtype: torch.dtype | None = None,
+    forward_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs (N,), entropy (N,)) of `targets` under the sampling distribution, through
-    `head`; truncated sampling (top-k / top-p) always takes the chunked head. `backward_dtype`:
-    the chunked head's backward products in that dtype (`rollflow.loss.token_logprobs`)."""
+    `head`; truncated sampling (top-k / top-p) always takes the chunked head. `backward_dtype`,
+    `forward_dtype`: the chunked head's products in that dtype (`rollflow.loss.token_logprobs`)."""
     if head == "fused" and top_k <= 0 and top_p >= 1.0:
         logprobs = fused_logprobs(hidden, weight, targets, temperature)
         return logprobs, torch.zeros_like(logprobs)
     return token_logprobs(
         hidden, weight, targets, temperature=temperature, top_k=top_k, top_p=top_p, chunk=chunk,
-        backward_dtype=backward_dtype,
+        backward_dtype=backward_dtype, forward_dtype=forward_dtype,
     )  # fmt: skip
 
 

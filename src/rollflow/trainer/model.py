@@ -76,11 +76,11 @@ class Trainer(TrainerState):
         self.reference: PolicyHead | None = None
         if loss.kl_coef > 0 and not config.lora.enabled:
             ref = copy.deepcopy(lm).eval().requires_grad_(False)
-            self.reference = self._shard(PolicyHead(ref, config.loss_chunk, self.head, autocast))
+            self.reference = self._shard(PolicyHead(ref, config.loss_chunk, self.head, autocast, config.autocast_head))
         torch.manual_seed(config.seed)  # identical adapter initialisation on every rank
         if config.lora.enabled:
             lm = with_lora(lm, config.lora)  # type: ignore[assignment]
-        self.module = self._shard(PolicyHead(lm, config.loss_chunk, self.head, autocast))
+        self.module = self._shard(PolicyHead(lm, config.loss_chunk, self.head, autocast, config.autocast_head))
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=False
