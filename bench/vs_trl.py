@@ -24,10 +24,12 @@ time / rollflow's (`_step`), and rollflow's tokens per second / TRL's (`_token`)
     bin/dev python bench/vs_trl.py [--models tiny,smollm2] [--steps N] [--keep DIR] [--precision bf16]
 
 `--precision bf16` runs both sides in bfloat16 mixed precision, generation included: TRL's
-`bf16=True` (float32 weights and optimizer; its model's forward, and so its `generate`, under
-bfloat16 autocast), rollflow's `trainer.autocast = "bfloat16"` with the engine holding its copy
-of the weights in bfloat16 (`model.dtype`; each push cast on the way in, the fingerprint
-checked in that dtype). float32, the default, runs everything in float32.
+`bf16=True` (float32 weights and optimizer; its model's forward, and so its `generate` and its
+LM head's logits, under bfloat16 autocast), rollflow's `trainer.autocast = "bfloat16"` with
+the head's forward in bfloat16 too (`trainer.autocast_head`: shifted products, finer than
+logits rounded whole) and the engine holding its copy of the weights in bfloat16
+(`model.dtype`; each push cast on the way in, the fingerprint checked in that dtype). float32,
+the default, runs everything in float32.
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ async def run_rollflow(
             "engine.threads=1",
             "run.eval_prompts=0",
             "checkpoint.final_model=false",
-            *(["trainer.autocast=bfloat16", "model.dtype=bfloat16"] if precision == "bf16" else []),
+            *(["trainer.autocast=bfloat16", "trainer.autocast_head=true", "model.dtype=bfloat16"]
+              if precision == "bf16" else []),
         ],
     )
     pin(ENGINE_CORE)  # the engine process spawned at start inherits this core
