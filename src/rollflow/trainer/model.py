@@ -82,8 +82,11 @@ class Trainer(TrainerState):
             lm = with_lora(lm, config.lora)  # type: ignore[assignment]
         self.module = self._shard(PolicyHead(lm, config.loss_chunk, self.head, autocast, config.autocast_head))
         params = [p for p in self.module.parameters() if p.requires_grad]
+        # One fused kernel over every tensor (on a CPU too: SmolLM2's update 64 ms instead of 436 ms
+        # on one core); FSDP2's sharded tensors keep the loop over tensors.
+        kernel = {"foreach": False} if self.distributed else {"fused": True}
         self.optimizer = torch.optim.AdamW(
-            params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=False
+            params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, **kernel
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config))
         self.steps = 0
