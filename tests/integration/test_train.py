@@ -209,7 +209,9 @@ def _in_session(pid: str, session: int) -> bool:
 async def test_a_bfloat16_engine_beside_a_float32_trainer_holds_each_update(tmp_path):
     """model.dtype = bfloat16 with a float32 trainer (bench/vs_trl.py --precision bf16): every push is
     cast as the engine loads it and checked against its fingerprint in bfloat16 (a mismatch fails
-    the update); a synchronous run's samples all come from the weights just pushed."""
+    the update); a synchronous run's samples all come from the weights just pushed. The trainer's head
+    is in bfloat16 too (`trainer.autocast_head`), as the bench runs it: its log-probs still meet the
+    engine's within the ratio's bounds."""
     config = load_config(
         preset="tiny",
         overrides=[
@@ -217,6 +219,7 @@ async def test_a_bfloat16_engine_beside_a_float32_trainer_holds_each_update(tmp_
             "run.max_steps=3",
             "model.dtype=bfloat16",
             "trainer.autocast=bfloat16",
+            "trainer.autocast_head=true",
             "engine.linear_layout=staged",
         ],
     )
