@@ -106,12 +106,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk, backward_dtype, forward_dtype):  # type: ignore[override]
+    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk, backward_dtype, forward_dtype, grads):  # type: ignore[override]
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
         entropy = torch.empty_like(out)
         tops = torch.empty_like(out)
         buffers = _Buffers(min(chunk, hidden.shape[0]), weight.shape[0], hidden.device)
         narrow = _NarrowHead.when(weight, forward_dtype, top_k, top_p)
+        # A narrow forward whose backward is narrow too keeps its exp (e^z, z <= ~0) in that dtype
+        # for the backward's softmax, when it fits: the backward then skips its product.
+        kept = None
+        if grads and narrow is not None and backward_dtype == forward_dtype:
+            size = hidden.shape[0] * weight.shape[0] * narrow.weight.element_size()
+            if size <= _NarrowHead.KEEP_BYTES:
+                kept = torch.empty(hidden.shape[0], weight.shape[0], dtype=narrow.dtype, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
             if narrow is not None:  # z = logits - top straight out of the shifted product
@@ -124,6 +131,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 shifted.sub_(top)  # z = logits - top, in place
             tops[start:end] = top.squeeze(-1)
             exp = torch.exp(shifted, out=buffers.take("exp", end - start))
+            if kept is not None:
+                kept[start:end] = exp
             total = exp.sum(dim=-1, keepdim=True)  # (c, 1)
             out[start:end] = (target - total.log()).squeeze(-1)
             # H = -sum p log p = log S - sum(e^z z) / S, with p = e^z / S (-inf z: e^z z = 0);
@@ -131,14 +140,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             weighted = shifted.nan_to_num_(neginf=0.0).mul_(exp).sum(dim=-1)
             entropy[start:end] = total.squeeze(-1).log() - weighted / total.squeeze(-1)
             del shifted, exp  # a chunk not in `buffers` goes before the next is allocated
-        ctx.save_for_backward(hidden, weight, targets, tops)
+        ctx.save_for_backward(hidden, weight, targets, tops, kept)
         ctx.settings = (temperature, top_k, top_p, chunk, backward_dtype)
         ctx.mark_non_differentiable(entropy)
         return out, entropy
 
     @staticmethod
     def backward(ctx, grad_out, _grad_entropy):  # type: ignore[override]
-        hidden, weight, targets, tops = ctx.saved_tensors
+        hidden, weight, targets, tops, kept = ctx.saved_tensors
         temperature, top_k, top_p, chunk, backward_dtype = ctx.settings
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
@@ -147,7 +156,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
             h = hidden[start:end]
-            if narrow is not None:
+            if kept is not None:  # the forward's exp, normalised
+                grad_logits = buffers.take("probs", end - start).copy_(kept[start:end])
+                grad_logits.div_(grad_logits.sum(dim=-1, keepdim=True))
+            elif narrow is not None:
                 grad_logits = narrow.softmax(h, tops[start:end], temperature, buffers)
             else:
                 logits = _chunk_logits(h, weight, temperature, top_k, top_p, buffers)  # (c, V)
@@ -169,7 +181,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if grad_weight is not None:
                     grad_weight.addmm_(grad_logits.to(h.dtype).t(), h)  # no (V, H) temporary
             del grad_logits  # free this chunk before the next one is allocated
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 class _NarrowHead:
@@ -180,8 +192,9 @@ class _NarrowHead:
     gains a column of ones and the hidden states one of -top, so the product, accumulated in
     float32 inside the kernel, rounds z = logit - top, not the logit itself. The tokens that
     carry the softmax's mass have z near 0, where bfloat16 is finest (a rounding of 2^-9 instead
-    of a logit of 20's 2^-4). The backward takes the top the forward saved; a narrow forward
-    finds it first with an unshifted product (any shift common to a row cancels, so an
+    of a logit of 20's 2^-4). The backward takes the top the forward saved (or, after a narrow
+    forward, the forward's exp itself while it fits `KEEP_BYTES`); a narrow forward finds it
+    first with an unshifted product (any shift common to a row cancels, so an
     approximate top costs nothing but z's range). The weight's gradient is a narrow product per
     chunk and per slice of the vocabulary, added into the float32 gradient (rounded once per
     chunk, as autocast rounds any layer's)."""
@@ -189,6 +202,10 @@ class _NarrowHead:
     PAD = 32
     """Columns the shifted product's inner dimension gains (one used): matrix kernels like it a
     multiple of 32."""
+
+    KEEP_BYTES = 256 * 2**20
+    """The most a narrow forward keeps of its exp for the backward ((tokens, V) in the narrow
+    dtype: 2,048 tokens of a 49,152 vocabulary are 192 MiB); beyond it the backward recomputes."""
 
     SLICE = 2048
     """Vocabulary rows of the weight gradient per narrow product: a (2048, H) product and its
@@ -295,7 +312,7 @@ def token_logprobs(
         raise ValueError("temperature must be > 0 to score tokens (greedy samples have no distribution)")
     return _ChunkedLogprobs.apply(
         hidden, weight, targets, float(temperature), int(top_k), float(top_p), int(chunk), backward_dtype,
-        forward_dtype,
+        forward_dtype, torch.is_grad_enabled(),
     )  # fmt: skip
 
 

@@ -102,13 +102,22 @@ def test_a_bfloat16_backward_keeps_the_log_probs_and_rounds_its_inputs_not_its_l
     assert close(x.grad, y.grad)
 
 
+@pytest.mark.parametrize("kept", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_a_bfloat16_forward_rounds_its_inputs_not_its_logits(temperature):
+def test_a_bfloat16_forward_rounds_its_inputs_not_its_logits(temperature, kept, monkeypatch):
     """`forward_dtype=bfloat16` (`trainer.autocast_head`): the log-probs are float32's for the
     inputs rounded to bfloat16, to within 0.02 (the shifted product rounds each logit minus its
     row's largest); bfloat16 logits rounded whole are ~0.1 off here (top logits of 40). The
-    entropies follow, and the gradients keep the bfloat16 backward's bound though the forward's
-    row maxima, which the backward shifts by, are themselves bfloat16 products."""
+    entropies follow, and the gradients keep the bfloat16 backward's bound, whether the backward
+    takes the forward's exp (kept in bfloat16) or, past `KEEP_BYTES`, recomputes it shifted by the
+    forward's row maxima, themselves bfloat16 products."""
+    from rollflow.logprobs import _NarrowHead
+
+    if not kept:
+        monkeypatch.setattr(_NarrowHead, "KEEP_BYTES", 0)
+    made = []
+    real_softmax = _NarrowHead.softmax
+    monkeypatch.setattr(_NarrowHead, "softmax", lambda *a: made.append(1) or real_softmax(*a))
     n, h, v = 64, 64, 4096
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(n, h, generator=g)
@@ -126,6 +135,7 @@ def test_a_bfloat16_forward_rounds_its_inputs_not_its_logits(temperature):
         (lp * upstream).sum().backward()
         results.append((lp.detach(), entropy, x.grad, w.grad))
     (lp16, ent16, gx16, gw16), (lp_want, ent_want, gx_want, gw_want) = results
+    assert bool(made) is not kept  # the backward recomputed its softmax only when nothing was kept
     assert (lp16 - lp_want).abs().max().item() <= 0.02
     whole = (hidden / temperature).bfloat16() @ weight.bfloat16().t()  # the logits rounded whole
     assert (torch.log_softmax(whole.float(), -1).gather(-1, targets[:, None])[:, 0] - lp_want).abs().max() > 0.05
