@@ -463,15 +463,15 @@ class TrainerConfig(_Section, frozen=True):
     (`loss.is_mode`) weighs like any other behaviour mismatch."""
 
     autocast_head: bool = False
-    """With `autocast`: the log-prob head's forward in bfloat16 too, as two shifted products per
-    chunk (one finds each token's largest logit, the other rounds the logits minus it) instead of
-    one float32 product. The log-probs then carry bfloat16's rounding of the head's inputs (on
-    SmolLM2-135M-Instruct's own samples 0.008 on average, against 0.040 between a bfloat16 and a
-    float32 model). On a CPU with bfloat16 matrix instructions the head's forward takes about half
-    the time, and it keeps its exps for the backward (tokens × vocabulary in bfloat16, up to
-    256 MiB a micro-batch), which then skips a product. Top-k / top-p sampling keeps the float32
-    head. Off by default: the importance ratio and `mismatch_kl` see this rounding as part of the
-    behaviour mismatch."""
+    """With `autocast`: the log-prob head's forward in bfloat16 too, as a shifted product (each
+    token's logits minus its largest, guessed from the chunk's sampled tokens and corrected where
+    the guess was low) instead of one float32 product. The log-probs then carry bfloat16's
+    rounding of the head's inputs (on SmolLM2-135M-Instruct's own samples 0.008 on average,
+    against 0.040 between a bfloat16 and a float32 model). On a CPU with bfloat16 matrix
+    instructions the head's forward takes about half the time, and it keeps its exps for the
+    backward (tokens × vocabulary in bfloat16, up to 256 MiB a micro-batch), which then skips a
+    product. Top-k / top-p sampling keeps the float32 head. Off by default: the importance ratio
+    and `mismatch_kl` see this rounding as part of the behaviour mismatch."""
 
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""

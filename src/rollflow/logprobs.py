@@ -122,7 +122,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
             if narrow is not None:  # z = logits - top straight out of the shifted product
-                shifted, top = narrow.shifted(hidden[start:end], None, temperature, buffers, "logits")
+                shifted, top = narrow.shifted(
+                    hidden[start:end], None, temperature, buffers, "logits", targets[start:end]
+                )
                 target = shifted.gather(-1, targets[start:end, None])  # (c, 1)
             else:
                 shifted = _chunk_logits(hidden[start:end], weight, temperature, top_k, top_p, buffers)  # (c, V)
@@ -193,9 +195,11 @@ class _NarrowHead:
     float32 inside the kernel, rounds z = logit - top, not the logit itself. The tokens that
     carry the softmax's mass have z near 0, where bfloat16 is finest (a rounding of 2^-9 instead
     of a logit of 20's 2^-4). The backward takes the top the forward saved (or, after a narrow
-    forward, the forward's exp itself while it fits `KEEP_BYTES`); a narrow forward finds it
-    first with an unshifted product (any shift common to a row cancels, so an
-    approximate top costs nothing but z's range). The weight's gradient is a narrow product per
+    forward, the forward's exp itself while it fits `KEEP_BYTES`). A narrow forward guesses it
+    from the chunk's own targets (sampled tokens are mostly near the top; the guess is a (c, k)
+    product) and computes again only the rows whose z then exceeds `SLACK` (14 % of the rows of
+    SmolLM2's own samples): any shift common to a row cancels, so an approximate top costs nothing
+    but z's range. The weight's gradient is a narrow product per
     chunk and per slice of the vocabulary, added into the float32 gradient (rounded once per
     chunk, as autocast rounds any layer's)."""
 
@@ -206,6 +210,10 @@ class _NarrowHead:
     KEEP_BYTES = 256 * 2**20
     """The most a narrow forward keeps of its exp for the backward ((tokens, V) in the narrow
     dtype: 2,048 tokens of a 49,152 vocabulary are 192 MiB); beyond it the backward recomputes."""
+
+    SLACK = 1.0
+    """The most a row's z may exceed 0 after a first guess of its top: bfloat16 rounds a z in
+    [0.5, 1) by up to 2^-9, below its rounding of the z that carry a softmax's mass."""
 
     SLICE = 2048
     """Vocabulary rows of the weight gradient per narrow product: a (2048, H) product and its
@@ -243,19 +251,39 @@ class _NarrowHead:
         return last
 
     def shifted(
-        self, hidden: torch.Tensor, top: torch.Tensor | None, temperature: float, buffers: _Buffers, role: str
+        self,
+        hidden: torch.Tensor,
+        top: torch.Tensor | None,
+        temperature: float,
+        buffers: _Buffers,
+        role: str,
+        candidates: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(z = hidden @ weight.T / temperature - top, (c, V) float32 in `role`'s buffer; top, (c, 1)
-        float32). Without a `top`, an unshifted product's row maxima are the top."""
+        float32: the shift, as bfloat16 held it). Without a `top`, each row's largest logit among
+        the `candidates` (token ids: the chunk's own targets) is a first guess, never far above
+        the top; the rows whose z then exceeds `SLACK` somewhere are computed again, shifted by
+        their largest z."""
         count = hidden.shape[0]
         rows = torch.zeros(count, self.width + self.PAD, dtype=self.dtype, device=hidden.device)
         rows[:, : self.width] = hidden.detach() / temperature if temperature != 1.0 else hidden.detach()
         narrow = buffers.take("narrow", count, self.dtype)
         if top is None:
-            top = torch.mm(rows, self.weight.t(), out=narrow).amax(dim=-1, keepdim=True).float()
-        rows[:, self.width] = -top.reshape(-1)
-        torch.mm(rows, self.weight.t(), out=narrow)
-        return buffers.take(role, count).copy_(narrow), top.reshape(-1, 1)
+            assert candidates is not None
+            guesses = self.weight[torch.unique(candidates), : self.width]  # (k, H)
+            rows[:, self.width] = -(rows[:, : self.width] @ guesses.t()).amax(dim=-1)
+            torch.mm(rows, self.weight.t(), out=narrow)
+            over = narrow.amax(dim=-1)  # (c,)
+            redo = (over > self.SLACK).nonzero().squeeze(-1)
+            if redo.numel():
+                again = rows[redo]
+                again[:, self.width] -= over[redo]
+                rows[redo] = again
+                narrow[redo] = again @ self.weight.t()
+        else:
+            rows[:, self.width] = -top.reshape(-1)
+            torch.mm(rows, self.weight.t(), out=narrow)
+        return buffers.take(role, count).copy_(narrow), rows[:, self.width : self.width + 1].float().neg()
 
     def softmax(self, hidden: torch.Tensor, top: torch.Tensor, temperature: float, buffers: _Buffers) -> torch.Tensor:
         """softmax(hidden @ weight.T / temperature) of one chunk, (c, V) float32, in `buffers`."""

@@ -149,6 +149,35 @@ def test_a_bfloat16_forward_rounds_its_inputs_not_its_logits(temperature, kept, 
     assert torch.equal(narrow, exact)
 
 
+@pytest.mark.parametrize("targets_are", ["each row's top", "random"])
+def test_a_bfloat16_forwards_first_guess_of_the_top_is_corrected_where_it_is_low(targets_are):
+    """The narrow forward guesses each row's top logit from the chunk's own targets; where a target
+    is the top the guess is right, where none is close (random targets) the row's z exceeds
+    `SLACK` and the row is computed again. Either way the log-probs are float32's for the rounded
+    inputs within 0.02 plus bfloat16's rounding of the target's own z (2^-8 of its log-prob: random
+    targets here lie 15-40 below the top), and the shift it reports is what it subtracted (z's
+    largest entry <= SLACK)."""
+    from rollflow.logprobs import _Buffers, _NarrowHead
+
+    n, h, v = 48, 64, 4096
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * 0.7
+    hidden = hidden * (30 / (hidden @ weight.t()).amax(-1, keepdim=True))
+    logits = hidden @ weight.t()
+    targets = logits.argmax(-1) if targets_are == "each row's top" else torch.randint(0, v, (n,), generator=g)
+    rounded = (hidden.bfloat16().float(), weight.bfloat16().float())
+    want = naive_token_logprobs(*rounded, targets)
+    got, _ = token_logprobs(hidden, weight, targets, chunk=16, forward_dtype=torch.bfloat16)
+    assert ((got - want).abs() <= 0.02 + want.abs() * 2**-8).all()
+    z, top = _NarrowHead(weight, torch.bfloat16).shifted(hidden, None, 1.0, _Buffers(n, v, hidden.device), "z", targets)
+    assert z.amax(-1).max().item() <= _NarrowHead.SLACK
+    assert (z + top - rounded[0] @ rounded[1].t()).abs().max().item() <= 0.25  # z + shift = the logits
+    # The shift is the top, guessed or redone.
+    guess_right = (top.squeeze(-1) - logits.amax(-1)).abs() <= 0.25
+    assert guess_right.all()
+
+
 def test_a_bfloat16_backward_after_an_in_place_update_uses_the_updated_weight():
     """The backward's bfloat16 copy of the head is made once per weight version: the micro-batches
     of one step share it; an optimizer's in-place step, or another tensor, makes a new one."""
