@@ -227,5 +227,8 @@ async def test_a_bfloat16_engine_beside_a_float32_trainer_holds_each_update(tmp_
     assert result.steps == 3
     for m in result.metrics:
         assert m["lag_max"] == 0 and m["engine_restarts"] == 0
-        # The engine samples from the weights rounded to bfloat16: ratios near 1, not exactly 1.
-        assert 0.5 < m["ratio_min"] <= m["ratio_max"] < 2.0
+        # The engine samples from the weights rounded to bfloat16: ratios near 1, not exactly 1. The
+        # tiny random model's rarest tokens reach 0.48-0.50 with or without the bfloat16 head
+        # (measured over 3 steps each); the mismatch as a whole stays small (0.0035-0.012).
+        assert 0.25 < m["ratio_min"] <= m["ratio_max"] < 4.0
+        assert 0 < m["mismatch_kl"] < 0.05
