@@ -199,9 +199,9 @@ class _NarrowHead:
     from the chunk's own targets (sampled tokens are mostly near the top; the guess is a (c, k)
     product) and computes again only the rows whose z then exceeds `SLACK` (14 % of the rows of
     SmolLM2's own samples): any shift common to a row cancels, so an approximate top costs nothing
-    but z's range. The weight's gradient is a narrow product per
-    chunk and per slice of the vocabulary, added into the float32 gradient (rounded once per
-    chunk, as autocast rounds any layer's)."""
+    but z's range. The weight's gradient is a narrow product per chunk and per slice of the
+    vocabulary, added into the float32 gradient (rounded once per chunk, as autocast rounds any
+    layer's)."""
 
     PAD = 32
     """Columns the shifted product's inner dimension gains (one used): matrix kernels like it a
