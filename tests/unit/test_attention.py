@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from rollflow.trainer import attention
 from rollflow.trainer.attention import runs, segment_attention
 
 HEADS, KV_HEADS, DIM = 6, 2, 8
@@ -45,10 +46,19 @@ def test_adjacent_segments_of_one_length_and_prefix_make_one_run():
     ]
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["float32", "bfloat16-values"])
-def test_segment_attention_is_dense_attention_under_the_segments_mask_forward_and_backward(mixed):
+@pytest.mark.parametrize(
+    ("mixed", "cap"),
+    [(False, attention.SMALL_SCORES), (True, 0), (True, attention.SMALL_SCORES)],
+    ids=["float32", "bfloat16-values-sdpa", "bfloat16-values-products"],
+)
+def test_segment_attention_is_dense_attention_under_the_segments_mask_forward_and_backward(mixed, cap, monkeypatch):
     """Batched runs, single segments and grouped heads give what a dense masked attention gives;
-    with bfloat16 values and float32 queries (as under autocast) the output is in bfloat16."""
+    with bfloat16 values and float32 queries (as under autocast) the output is in bfloat16, and
+    runs whose scores fit `SMALL_SCORES` take the two products, the others SDPA."""
+    monkeypatch.setattr(attention, "SMALL_SCORES", cap)
+    products = []
+    two_products = attention._two_products
+    monkeypatch.setattr(attention, "_two_products", lambda *a: products.append(a[0].shape) or two_products(*a))
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, HEADS, LENGTH, DIM, generator=generator, dtype=torch.float64)
     k = torch.randn(1, KV_HEADS, LENGTH, DIM, generator=generator, dtype=torch.float64)
@@ -68,6 +78,7 @@ def test_segment_attention_is_dense_attention_under_the_segments_mask_forward_an
         lambda a, b, c: segment_attention(module, a, b, c, None, rollflow_segments=SEGMENTS)[0], dtypes
     )
     assert dtype == (torch.bfloat16 if mixed else torch.float32)
+    assert len(products) == (len(runs(SEGMENTS)) if mixed and cap else 0)
     rel = 2e-2 if mixed else 1e-5  # bfloat16 rounding of the values (and the output), else float32's
     for name, a, b in [("output", got, want), *zip(("query", "key", "value"), got_grads, want_grads, strict=True)]:
         error = float((a - b).abs().max() / b.abs().max())

@@ -7,11 +7,18 @@ instead, so the work is the sum of the segments' squares. A completion that shar
 (`shared_prompt` layout) attends to the prompt's keys and then causally to its own, with the
 mask aligned to the bottom right (query i sees every prompt key and keys 0..i). Adjacent
 segments of one length with one prefix (a group's completions cut at the same length, as
-`max_tokens` cuts many) go through one SDPA call as a batch of views, not one call each: on a
-CPU the per-call cost and each slice's backward (a zeroed tensor the size of the row) were most
-of the attention's time. On a CPU the attention also computes in float32 (its output back in the
-values' dtype), with grouped heads served by SDPA itself: SDPA's bfloat16 backward there took
-about twice its float32 one.
+`max_tokens` cuts many) go through one call as a batch of views, not one call each: on a CPU
+the per-call cost and each slice's backward (a zeroed tensor the size of the row) were most of
+the attention's time, and for the same reason the row is split into one piece per run.
+
+On a CPU the attention computes in float32 (its output back in the values' dtype), with grouped
+heads served by SDPA itself: SDPA's bfloat16 backward there took about twice its float32 one.
+Under autocast (bfloat16 values) a run whose scores are few (`SMALL_SCORES`) takes two batched
+products instead of SDPA: float32 scores from the float32 queries and keys and their softmax in
+float32, then the weighted sum of the bfloat16 values in bfloat16. For SmolLM2's heads and a
+group of 8 completions of 128 tokens on a 40-token prompt that is about 33 ms a layer, forward
+and backward, against SDPA's 41-48 ms, and its log-probs are as far from a float32 model's as
+SDPA's are. The cost is the scores kept for the backward, hence the cap.
 
 Registered with transformers' `AttentionInterface` under `NAME`; the model's attention
 implementation is switched to it by `use_segment_attention`, and the segments travel to it as
@@ -20,6 +27,9 @@ the `rollflow_segments` keyword of the decoder's forward (with `NO_MASK` as the 
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 from typing import Any
 
 import torch
@@ -28,6 +38,10 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 NAME = "rollflow_segments"
+
+SMALL_SCORES = 1 << 22
+"""The most scores (segments × heads × queries × keys) one run may have to take the two products
+on a CPU under autocast rather than SDPA: 4M, 16 MiB of float32 scores kept for the backward."""
 
 Segment = tuple[int, int, int, int]
 """(start, end, prefix start, prefix end): queries start:end attend to the keys of the prefix
@@ -56,29 +70,48 @@ def segment_attention(
     p = dropout if module.training else 0.0
     repeat = query.shape[1] // key.shape[1]
     on_cpu, dtype = query.device.type == "cpu", value.dtype
+    plan = runs(rollflow_segments)
+    sizes = [n * length for _, n, length, _, _ in plan]
+    starts = [0, *itertools.accumulate(sizes)][:-1]
+    if sum(sizes) != query.shape[2] or starts != [start for start, *_ in plan]:
+        raise ValueError(f"segments cover {sum(sizes)} of the row's {query.shape[2]} tokens")
+    narrow_values = on_cpu and p == 0.0 and value.dtype in (torch.bfloat16, torch.float16)
+    heads = query.shape[1]
+    scores = [n * heads * length * (length + p1 - p0) for _, n, length, p0, p1 in plan]
+    products = [narrow_values and count <= SMALL_SCORES for count in scores]
     if on_cpu:
         wide = torch.promote_types(torch.promote_types(query.dtype, value.dtype), torch.float32)
-        query, key, value = query.to(wide), key.to(wide), value.to(wide)
+        query, key = query.to(wide), key.to(wide)
+        wide_value = value if all(products) else value.to(wide)
     else:
         query, key = query.to(value.dtype), key.to(value.dtype)
         if repeat > 1:  # grouped-query attention: one key/value head serves `repeat` query heads
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        wide_value = value
     gqa = on_cpu and repeat > 1
+    # Each run's positions as one piece of the row: a split's backward joins the pieces' gradients,
+    # where a slice's would zero a gradient the size of the row for each run.
+    qs, ks = query.squeeze(0).split(sizes, dim=1), key.squeeze(0).split(sizes, dim=1)
+    vs = {False: wide_value.squeeze(0).split(sizes, dim=1), True: value.squeeze(0).split(sizes, dim=1)}
     pieces = []
     with torch.autocast(query.device.type, enabled=False):
-        for start, n, length, p0, p1 in runs(rollflow_segments):
-            q = _batched(query, start, n, length)
-            k, v = _batched(key, start, n, length), _batched(value, start, n, length)
-            mask: dict[str, Any] = {"is_causal": True}
+        for i, (_start, n, length, p0, p1) in enumerate(plan):
+            values = vs[products[i]]
+            q, k, v = _batched(qs[i], n, length), _batched(ks[i], n, length), _batched(values[i], n, length)
             if p1 > p0:
-                k = torch.cat([key[:, :, p0:p1].expand(n, -1, -1, -1), k], dim=2)
-                v = torch.cat([value[:, :, p0:p1].expand(n, -1, -1, -1), v], dim=2)
-                mask = {"attn_mask": causal_lower_right(length, k.shape[2])}
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scaling, enable_gqa=gqa, **mask)
-            pieces.append(out.transpose(0, 1).reshape(1, out.shape[1], n * length, out.shape[3]))
-    out = torch.cat(pieces, dim=2).to(dtype)
-    if out.shape[2] != query.shape[2]:
-        raise ValueError(f"segments cover {out.shape[2]} of the row's {query.shape[2]} tokens")
+                j = bisect.bisect_right(starts, p0) - 1  # the run that holds the prefix
+                prefix = slice(p0 - starts[j], p1 - starts[j])
+                k = torch.cat([ks[j][None, :, prefix].expand(n, -1, -1, -1), k], dim=2)
+                v = torch.cat([values[j][None, :, prefix].expand(n, -1, -1, -1), v], dim=2)
+            if products[i]:
+                out = _two_products(q, k, v, scaling)
+            else:
+                mask: dict[str, Any] = {"is_causal": True}
+                if p1 > p0:
+                    mask = {"attn_mask": causal_lower_right(length, k.shape[2])}
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scaling, enable_gqa=gqa, **mask)
+            pieces.append(out.transpose(0, 1).reshape(1, out.shape[1], n * length, out.shape[3]).to(dtype))
+    out = torch.cat(pieces, dim=2)
     return out.transpose(1, 2).contiguous(), None  # (1, L, heads, D), as transformers expects
 
 
@@ -97,11 +130,35 @@ def runs(segments: list[Segment]) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
-def _batched(x: torch.Tensor, start: int, n: int, length: int) -> torch.Tensor:
-    """Positions start .. start + n * length of a row (1, heads, L, D) as n segments of `length`,
-    (n, heads, length, D): a view, so its backward adds into one gradient for the whole row."""
-    heads, dim = x.shape[1], x.shape[3]
-    return x[0, :, start : start + n * length].view(heads, n, length, dim).transpose(0, 1)
+def _two_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Attention of queries (n, heads, C, D) over keys and values (n, kv heads, K, D), the last C
+    keys the queries' own (causal, aligned to the bottom right), as two batched products: float32
+    scores and softmax, then the values' dtype for the weighted sum. (n, heads, C, D)."""
+    n, heads, length, dim = q.shape
+    groups, keys = k.shape[1], k.shape[2]
+    repeat = heads // groups
+    # Query heads g * repeat .. (g + 1) * repeat - 1 share key head g: one (repeat * C, K) block each.
+    bias = _causal_bias(length, keys, repeat, q.device)
+    scale = dim**-0.5 if scaling is None else scaling
+    qs = q.reshape(n * groups, repeat * length, dim)
+    weights = torch.baddbmm(bias, qs, k.reshape(n * groups, keys, dim).transpose(1, 2), alpha=scale).softmax(-1)
+    out = torch.bmm(weights.to(v.dtype), v.reshape(n * groups, keys, dim))
+    return out.view(n, heads, length, dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_bias(length: int, keys: int, repeat: int, device: torch.device) -> torch.Tensor:
+    """(repeat * length, keys), `repeat` copies of one (length, keys) block: 0 where query i may
+    see key j (every key before the last `length`, then keys up to its own), -inf elsewhere."""
+    allowed = torch.ones(length, keys, dtype=torch.bool, device=device).tril(keys - length)
+    return torch.zeros(length, keys, device=device).masked_fill_(~allowed, float("-inf")).repeat(repeat, 1)
+
+
+def _batched(piece: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    """A run's piece of a row (heads, n * length, D) as n segments of `length`,
+    (n, heads, length, D): a view."""
+    heads, dim = piece.shape[0], piece.shape[2]
+    return piece.view(heads, n, length, dim).transpose(0, 1)
 
 
 NO_MASK = torch.empty(1, 1, 0, 0, dtype=torch.bool)
