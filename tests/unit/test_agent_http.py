@@ -1,8 +1,10 @@
-"""The agents' HTTP client (httpx's interface on aiohttp's pool): the real openai client through
-it to the real endpoint, plain and streamed replies, and a connection refused as httpx's error."""
+"""The agents' HTTP client (httpx's interface on aiohttp's pool): the real openai and anthropic
+clients through it to the real endpoint, plain and streamed replies, and a connection refused as
+the client's own connection error."""
 
 from __future__ import annotations
 
+import anthropic
 import openai
 import pytest
 
@@ -48,3 +50,43 @@ async def test_a_refused_connection_is_the_openai_clients_connection_error():
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     finally:
         await http.aclose()
+
+
+async def test_the_anthropic_client_takes_it_too(chat):
+    """The anthropic client refuses an HTTP client of another httpx than its own."""
+    server = AgentServer("tiny", SPEC)
+    await server.start()
+    http = http_client(sdk="anthropic")
+    try:
+        prompt = Prompt(id="p", token_ids=[1], messages=[Message(role="user", content="hi")])
+        episode = AgentEpisode(prompt, SPEC, ScriptedTurns(chat, ["hello there", "again"]), chat,
+                               EpisodeLimits(max_tokens=256))
+        key, _ = server.open(episode)
+        claude = anthropic.AsyncAnthropic(base_url=server.url, api_key=server.api_key(key), http_client=http,
+                                          max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        message = await claude.messages.create(model="tiny", messages=messages, max_tokens=64)
+        assert message.content[0].text == "hello there" and message.usage.output_tokens > 0
+        messages += [{"role": "assistant", "content": "hello there"}, {"role": "user", "content": "more"}]
+        async with claude.messages.stream(model="tiny", messages=messages, max_tokens=64) as stream:
+            assert "".join([text async for text in stream.text_stream]) == "again"
+        server.close(key)
+    finally:
+        await http.aclose()
+        await server.aclose()
+
+
+async def test_a_refused_connection_is_the_anthropic_clients_connection_error():
+    http = http_client(sdk="anthropic")
+    try:
+        claude = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{unused_port()}", api_key="x",
+                                          http_client=http, max_retries=0)
+        with pytest.raises(anthropic.APIConnectionError):
+            await claude.messages.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    finally:
+        await http.aclose()
+
+
+def test_an_unknown_client_library_is_an_error_naming_the_ones_it_knows():
+    with pytest.raises(ValueError, match="sdk = 'requests', expected one of openai, anthropic"):
+        http_client(sdk="requests")  # type: ignore[arg-type]
