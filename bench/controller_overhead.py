@@ -16,33 +16,12 @@ import tempfile
 import time
 
 import machine
+from sidebyside import InstantEngine
 
 from rollflow.config import load_config
 from rollflow.controller import Controller
 from rollflow.controller.setup import Given
-from rollflow.engine import EngineOutput
-from rollflow.testing import FakeEngine, FakeTokenizer, FakeTrainer, NullTransport
-
-
-class InstantEngine(FakeEngine):
-    """Zero latency: every request returns a fixed completion in one final output, at once."""
-
-    def __init__(self, tokens: int) -> None:
-        super().__init__()
-        self.tokens = list(range(3, 3 + tokens))
-        self.logprobs = [-1.0] * tokens
-
-    async def stream(self, request_id, prompt_token_ids, sampling, *, deltas=True):
-        n = min(sampling.max_tokens, len(self.tokens))
-        yield EngineOutput(self.tokens[:n], self.logprobs[:n], "length", [self.version] * n)
-
-    async def update_weights_with(self, load, *, partial="keep", deadline_s=None, version=None):
-        await load()
-        self._version = self._version + 1 if version is None else version
-        return self._version
-
-    def partial(self, request_id):
-        return None  # a request never runs long enough to be seen mid-way
+from rollflow.testing import FakeTokenizer, FakeTrainer, NullTransport
 
 
 async def main(args: argparse.Namespace) -> None:

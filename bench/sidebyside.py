@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 
 import machine
 
+from rollflow.engine import EngineOutput
 from rollflow.records import SamplingSpec
+from rollflow.testing import FakeEngine
 
 
-def engine_args(doc: str, rounds: int = 6) -> argparse.Namespace:
-    """--requests, --tokens, --rounds, --model: concurrent rollouts of fixed length, per round."""
+def engine_args(doc: str, rounds: int = 6, switches: dict[str, str] | None = None) -> argparse.Namespace:
+    """--requests, --tokens, --rounds, --model: concurrent rollouts of fixed length, per round;
+    `switches`: the benchmark's own on/off flags (flag -> its help)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--model", default="tiny")
+    for flag, text in (switches or {}).items():
+        parser.add_argument(flag, action="store_true", help=text)
     return parser.parse_args()
 
 
@@ -40,19 +46,28 @@ async def alternate(
 ) -> tuple[dict[str, list], list[float]]:
     """Run each path's round (tag -> tokens made) once per round, alternating which goes first
     so neither always runs on a warmer engine. Returns the totals ([tokens, seconds] per path)
-    and, per round, the second path's tokens/s over the first's."""
+    and, per round, the second path's tokens/s over the first's.
+
+    The objects that exist when the rounds start are kept out of the cyclic garbage collector
+    meanwhile, as a run keeps its startup heap (`run.gc_freeze`): otherwise a full collection of
+    vLLM's, torch's and transformers' objects (about 0.5 s on a 2-core machine) lands in one
+    round of one path or the other and decides that round's ratio."""
     totals: dict[str, list] = {name: [0, 0.0] for name, _ in paths}
     ratios: list[float] = []
     rate: dict[str, float] = {}
-    for r in range(rounds):
-        for name, run in paths if r % 2 == 0 else paths[::-1]:
-            began = time.perf_counter()
-            tokens = await run(f"{name[:2]}{r}")
-            seconds = time.perf_counter() - began
-            totals[name][0] += tokens
-            totals[name][1] += seconds
-            rate[name] = tokens / seconds
-        ratios.append(rate[paths[1][0]] / rate[paths[0][0]])
+    gc.freeze()
+    try:
+        for r in range(rounds):
+            for name, run in paths if r % 2 == 0 else paths[::-1]:
+                began = time.perf_counter()
+                tokens = await run(f"{name[:2]}{r}")
+                seconds = time.perf_counter() - began
+                totals[name][0] += tokens
+                totals[name][1] += seconds
+                rate[name] = tokens / seconds
+            ratios.append(rate[paths[1][0]] / rate[paths[0][0]])
+    finally:
+        gc.unfreeze()
     return totals, ratios
 
 
@@ -60,3 +75,24 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], SamplingSpec]:
     """`args.requests` short prompts, each sampled for exactly `args.tokens` tokens."""
     prompts = [[1, 100 + i, 202, 276, 261, 264, 277] for i in range(args.requests)]
     return prompts, SamplingSpec(temperature=1.0, max_tokens=args.tokens, ignore_eos=True)
+
+
+class InstantEngine(FakeEngine):
+    """Zero latency: every request returns a fixed completion in one final output, at once."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        self.tokens = list(range(3, 3 + tokens))
+        self.logprobs = [-1.0] * tokens
+
+    async def stream(self, request_id, prompt_token_ids, sampling, *, deltas=True):
+        n = min(sampling.max_tokens, len(self.tokens))
+        yield EngineOutput(self.tokens[:n], self.logprobs[:n], "length", [self.version] * n)
+
+    async def update_weights_with(self, load, *, partial="keep", deadline_s=None, version=None):
+        await load()
+        self._version = self._version + 1 if version is None else version
+        return self._version
+
+    def partial(self, request_id):
+        return None  # a request never runs long enough to be seen mid-way
