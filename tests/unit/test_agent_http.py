@@ -4,6 +4,8 @@ the client's own connection error."""
 
 from __future__ import annotations
 
+import sys
+
 import anthropic
 import openai
 import pytest
@@ -90,3 +92,9 @@ async def test_a_refused_connection_is_the_anthropic_clients_connection_error():
 def test_an_unknown_client_library_is_an_error_naming_the_ones_it_knows():
     with pytest.raises(ValueError, match="sdk = 'requests', expected one of openai, anthropic"):
         http_client(sdk="requests")  # type: ignore[arg-type]
+
+
+def test_a_client_library_that_is_not_installed_is_an_error_saying_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "anthropic", None)  # what an environment without it imports
+    with pytest.raises(ValueError, match="sdk = 'anthropic', but the anthropic package is not installed"):
+        http_client(sdk="anthropic")

@@ -102,7 +102,10 @@ def httpx_of(sdk: str) -> ModuleType:
     """The httpx the client library `sdk` (`openai`, `anthropic`) is built on: httpx or httpx2."""
     if sdk not in SDKS:
         raise ValueError(f"http_client: sdk = {sdk!r}, expected one of {', '.join(SDKS)}")
-    default = importlib.import_module(sdk).DefaultAsyncHttpxClient
+    try:
+        default = importlib.import_module(sdk).DefaultAsyncHttpxClient
+    except ImportError:
+        raise ValueError(f"http_client: sdk = {sdk!r}, but the {sdk} package is not installed") from None
     for cls in default.__mro__:
         package = cls.__module__.partition(".")[0]
         if cls.__name__ == "AsyncClient" and package in ("httpx", "httpx2"):
