@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable
@@ -40,7 +39,7 @@ import aiohttp
 import anthropic
 import machine
 import openai
-from sidebyside import InstantEngine, alternate, engine_args, report
+from sidebyside import InstantEngine, alternate, engine_args, frozen_heap, report
 
 from rollflow.agent import AgentEpisode, AgentServer, run_agent
 from rollflow.agent.http import http_client
@@ -197,25 +196,25 @@ async def instant(args: argparse.Namespace) -> None:
     spec = SamplingSpec(temperature=1.0, max_tokens=args.tokens, ignore_eos=True)
     server = AgentServer(args.model, spec)
     ms: dict[str, float] = {}
+    conversations = questions(args.requests)
     async with shared_clients() as clients, aiohttp.ClientSession() as session:
-        each = paths(engine, chat, spec, server, questions(args.requests), clients)
+        each = paths(engine, chat, spec, server, conversations, clients)
         raw = ("chat, plain aiohttp requests",
-               lambda tag: through_endpoint(engine, chat, spec, server, questions(args.requests), tag, session, "raw"))
+               lambda tag: through_endpoint(engine, chat, spec, server, conversations, tag, session, "raw"))
         each = {"direct": each.pop("direct"), "raw": raw, **each}
         await server.start()
         try:
             for _, run in each.values():
                 await run("warmup")
-            gc.freeze()  # as in the rounds with an engine (`sidebyside.alternate`)
-            for key, (_, run) in each.items():
-                per_round = []
-                for r in range(args.rounds):
-                    began = time.process_time()
-                    await run(f"{key[:2]}{r}")
-                    per_round.append((time.process_time() - began) * 1000 / args.requests)
-                ms[key] = statistics.median(per_round)
+            with frozen_heap():  # as in the rounds with an engine (`sidebyside.alternate`)
+                for key, (_, run) in each.items():
+                    per_round = []
+                    for r in range(args.rounds):
+                        began = time.process_time()
+                        await run(f"{key[:2]}{r}")
+                        per_round.append((time.process_time() - began) * 1000 / args.requests)
+                    ms[key] = statistics.median(per_round)
         finally:
-            gc.unfreeze()
             await server.aclose()
     width = max(len(name) for name, _ in each.values()) + 2
     print(f"{'path':<{width}}{'CPU ms/request':>16}{'over direct':>13}")

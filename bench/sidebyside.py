@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import machine
 
@@ -48,15 +49,11 @@ async def alternate(
     so neither always runs on a warmer engine. Returns the totals ([tokens, seconds] per path)
     and, per round, the second path's tokens/s over the first's.
 
-    The objects that exist when the rounds start are kept out of the cyclic garbage collector
-    meanwhile, as a run keeps its startup heap (`run.gc_freeze`): otherwise a full collection of
-    vLLM's, torch's and transformers' objects (about 0.5 s on a 2-core machine) lands in one
-    round of one path or the other and decides that round's ratio."""
+    The rounds run with the startup heap kept out of the collector (`frozen_heap`)."""
     totals: dict[str, list] = {name: [0, 0.0] for name, _ in paths}
     ratios: list[float] = []
     rate: dict[str, float] = {}
-    gc.freeze()
-    try:
+    with frozen_heap():
         for r in range(rounds):
             for name, run in paths if r % 2 == 0 else paths[::-1]:
                 began = time.perf_counter()
@@ -66,9 +63,20 @@ async def alternate(
                 totals[name][1] += seconds
                 rate[name] = tokens / seconds
             ratios.append(rate[paths[1][0]] / rate[paths[0][0]])
+    return totals, ratios
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Keep the objects that exist now out of the cyclic garbage collector meanwhile, as a run
+    keeps its startup heap (`run.gc_freeze`): otherwise a full collection of vLLM's, torch's and
+    transformers' objects (about 0.5 s on a 2-core machine) lands in one round of one path or the
+    other and decides that round's figure."""
+    gc.freeze()
+    try:
+        yield
     finally:
         gc.unfreeze()
-    return totals, ratios
 
 
 def workload(args: argparse.Namespace) -> tuple[list[list[int]], SamplingSpec]:

@@ -59,6 +59,7 @@ class AiohttpTransport:
 
     def __init__(self, httpx: ModuleType) -> None:
         self._httpx = httpx
+        self._body = _body_type(httpx)
         self._session: aiohttp.ClientSession | None = None
 
     async def handle_async_request(self, request: Any) -> Any:
@@ -83,8 +84,7 @@ class AiohttpTransport:
         except aiohttp.ClientConnectionError as err:
             raise httpx.ConnectError(f"{type(err).__name__}: {err}", request=request) from err
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers]
-        body = _body_type(httpx)(response, httpx)
-        return httpx.Response(response.status, headers=headers, stream=body, request=request)
+        return httpx.Response(response.status, headers=headers, stream=self._body(response, httpx), request=request)
 
     async def aclose(self) -> None:
         if self._session is not None:
